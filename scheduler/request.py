@@ -1,0 +1,82 @@
+"""Request state: plain data, no policy.
+
+A request's progress is one counter, ``num_computed_tokens``, catching up to
+``num_tokens`` (prompt + output so far). Prefill, chunked prefill, prefix-cache
+hits and recompute after preemption are all that counter moving.
+
+    [0, num_computed_tokens)            -> K/V in the cache (block_ids)
+    [num_computed_tokens, num_tokens)   -> still to compute
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to resume
+    RUNNING = "running"      # holds blocks and a seat
+    FINISHED = "finished"    # left the scheduler; blocks freed
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"                    # max_tokens generated
+    END_OF_SEQUENCE = "end_of_sequence"  # EOS or a stop token id
+    STOP_SEQUENCE = "stop_sequence"      # a stop string matched (scheduler side)
+    CONTEXT_LENGTH = "context_length"    # reached the model's context length
+    CANCELLED = "cancelled"              # the client went away
+    ABORTED = "aborted"                  # deadline, worker fault, shutdown
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters of one request (see validation.py)."""
+
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0                # (0, 1]
+    top_k: int = 0                    # 0 = off
+    seed: int = 0                     # always set: the server draws one if absent
+    max_tokens: int = 16              # >= 1
+    stop: tuple[str, ...] = ()        # stop strings, matched on the scheduler side
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler sees it."""
+
+    seq_id: int                        # internal id, unique per process
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float                # time.monotonic() at admission
+    priority: int = 0                  # higher boards first, is preempted last
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)   # the block table
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0         # prompt tokens served by the prefix cache
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
