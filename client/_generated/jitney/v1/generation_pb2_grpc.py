@@ -55,6 +55,11 @@ class GenerationServiceStub:
                 request_serializer=jitney_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=jitney_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetServerStats = channel.unary_unary(
+                '/jitney.v1.GenerationService/GetServerStats',
+                request_serializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsRequest.SerializeToString,
+                response_deserializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -90,6 +95,13 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerStats(self, request, context):
+        """Live load figures: requests and KV-cache blocks in use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +124,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=jitney_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=jitney_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetServerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerStats,
+                    request_deserializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsRequest.FromString,
+                    response_serializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +240,33 @@ class GenerationService:
             '/jitney.v1.GenerationService/GetModelInfo',
             jitney_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             jitney_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jitney.v1.GenerationService/GetServerStats',
+            jitney_dot_v1_dot_generation__pb2.GetServerStatsRequest.SerializeToString,
+            jitney_dot_v1_dot_generation__pb2.GetServerStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

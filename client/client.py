@@ -1,0 +1,91 @@
+"""A small typed Python client for jitney.v1.GenerationService."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from client._generated.jitney.v1 import generation_pb2 as pb
+from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+
+FINISH_REASON_NAMES = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_END_OF_SEQUENCE: "end_of_sequence",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+    pb.FINISH_REASON_CONTEXT_LENGTH: "context_length",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters; None means the server default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def to_proto(self) -> pb.SamplingParams:
+        msg = pb.SamplingParams(stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                ignore_eos=self.ignore_eos)
+        for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, value)
+        return msg
+
+
+def make_params(prompt: str | Sequence[int] | Sequence[tuple[str, str]], *, chat: bool = False,
+                sampling: Sampling = Sampling(), request_id: str = "") -> pb.GenerationParams:
+    """Build GenerationParams from text, token ids, or (role, content) pairs.
+
+    With ``chat=True`` a text prompt becomes one user message.
+    """
+    params = pb.GenerationParams(sampling=sampling.to_proto(), request_id=request_id)
+    if isinstance(prompt, str) and chat:
+        params.chat.messages.add(role="user", content=prompt)
+    elif isinstance(prompt, str):
+        params.text = prompt
+    elif prompt and isinstance(prompt[0], tuple):
+        for role, content in prompt:  # type: ignore[misc]
+            params.chat.messages.add(role=role, content=content)
+    else:
+        params.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    return params
+
+
+class JitneyClient:
+    """Blocking client over one gRPC channel."""
+
+    def __init__(self, target: str = "127.0.0.1:50051") -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+
+    def generate_stream(self, params: pb.GenerationParams,
+                        timeout: float | None = None) -> Iterator[pb.GenerateStreamResponse]:
+        return self.stub.GenerateStream(pb.GenerateStreamRequest(params=params), timeout=timeout)
+
+    def generate(self, params: pb.GenerationParams, timeout: float | None = None) -> pb.GenerateResponse:
+        return self.stub.Generate(pb.GenerateRequest(params=params), timeout=timeout)
+
+    def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the channel connects (not until the worker is ready)."""
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "JitneyClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

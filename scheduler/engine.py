@@ -1,0 +1,186 @@
+"""The scheduler process's engine loop: requests in, step plans out.
+
+One asyncio task drives the worker: schedule a step, send its plan, await the
+result, hand each sampled token to its request's stream. gRPC handlers only
+``submit`` and ``cancel``; they never touch the scheduler between awaits of
+the loop, so the scheduler needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from client._generated.jitney.engine.v1 import engine_pb2
+from scheduler.config import SchedulerConfig
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.plan import to_step_plan
+from scheduler.request import FinishReason, Request
+from scheduler.scheduler import Scheduler
+from scheduler.validation import ValidatedRequest
+from scheduler.worker_link import WorkerLink, WorkerLinkError
+
+log = logging.getLogger("jitney.scheduler")
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take the request now (worker gone, shutting down)."""
+
+
+@dataclass
+class StreamEvent:
+    """What one step produced for one request.
+
+    The last event of a request has ``finish_reason`` set (a normal end) or
+    ``error`` set (the request was ended by the server).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_code: str = "UNAVAILABLE"   # a grpc.StatusCode name, used with ``error``
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request: its id and the queue its events arrive on."""
+
+    request_id: str
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+    async def stream(self) -> AsyncIterator[StreamEvent]:
+        while True:
+            event = await self.events.get()
+            yield event
+            if event.is_last:
+                return
+
+
+class Engine:
+    """Owns the Scheduler and the worker link for one ready worker."""
+
+    def __init__(self, config: SchedulerConfig, link: WorkerLink, tokenizer: Any,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config, eos_token_ids=eos_token_ids)
+        self._link = link
+        self._tokenizer = tokenizer
+        self._handles: dict[int, RequestHandle] = {}
+        self._seq_ids = itertools.count(1)
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # -- called by the gRPC handlers -------------------------------------
+    def submit(self, validated: ValidatedRequest, priority: int = 0) -> RequestHandle:
+        if self._closed:
+            raise EngineUnavailableError("the engine is shutting down")
+        req = Request(
+            seq_id=next(self._seq_ids),
+            prompt_token_ids=list(validated.prompt_token_ids),
+            sampling=validated.sampling,
+            arrival_time=time.monotonic(),
+            priority=priority,
+        )
+        detok = IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, validated.sampling.stop)
+        handle = RequestHandle(validated.request_id, req, detok)
+        self._handles[req.seq_id] = handle
+        self.scheduler.add_request(req)
+        self._wakeup.set()
+        return handle
+
+    def cancel(self, handle: RequestHandle, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """End a request early; its blocks are freed now, the worker forgets it next step."""
+        if handle.done:
+            return
+        handle.done = True
+        self._handles.pop(handle.request.seq_id, None)
+        self.scheduler.abort_request(handle.request.seq_id, reason)
+        self._wakeup.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._handles)
+
+    # -- the loop ----------------------------------------------------------
+    async def run(self) -> None:
+        """Step until closed. Raises WorkerLinkError when the worker fails."""
+        while not self._closed:
+            output = self.scheduler.schedule()
+            if output.is_empty and not output.freed_seq_ids:
+                if self.scheduler.has_work():
+                    log.error("requests are waiting but none can be scheduled")
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                result = await self._link.step(to_step_plan(output))
+            except WorkerLinkError as exc:
+                self._fail_step(output, str(exc))
+                continue
+            self.num_steps += 1
+            self.num_preemptions += len(output.preempted)
+            updated = self.scheduler.update_from_output(
+                output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+            for req in updated:
+                self._emit(req)
+
+    def close(self, message: str) -> None:
+        """End every request with ``message`` and stop the loop."""
+        self._closed = True
+        for handle in list(self._handles.values()):
+            self._end_with_error(handle, message)
+        self._wakeup.set()
+
+    # -- internals ---------------------------------------------------------
+    def _emit(self, req: Request) -> None:
+        handle = self._handles.get(req.seq_id)
+        if handle is None or handle.done:
+            return
+        token = req.output_token_ids[-1]
+        update = handle.detokenizer.push([token])
+        text = update.text
+        if update.stopped and not req.is_finished:
+            self.scheduler.finish_request(req.seq_id, FinishReason.STOP_SEQUENCE)
+        elif req.is_finished:
+            text += handle.detokenizer.flush()
+        event = StreamEvent(token_ids=[token], logprobs=[req.output_logprobs[-1]], text=text)
+        if req.is_finished:
+            event.finish_reason = req.finish_reason
+            event.prompt_tokens = req.num_prompt_tokens
+            event.completion_tokens = req.num_output_tokens
+            event.cached_prompt_tokens = req.num_cached_tokens
+            handle.done = True
+            del self._handles[req.seq_id]
+        handle.events.put_nowait(event)
+
+    def _fail_step(self, output: Any, message: str) -> None:
+        log.error("%s; ending the %d requests of that step", message, len(output.scheduled))
+        for chunk in output.scheduled:
+            handle = self._handles.get(chunk.request.seq_id)
+            if handle is not None:
+                self._end_with_error(handle, "the worker failed to run this request's step",
+                                     code="INTERNAL")
+
+    def _end_with_error(self, handle: RequestHandle, message: str,
+                        code: str = "UNAVAILABLE") -> None:
+        self.cancel(handle, FinishReason.ABORTED)
+        handle.events.put_nowait(StreamEvent(error=message, error_code=code))

@@ -1,0 +1,159 @@
+"""The gRPC face of the scheduler process: jitney.v1.GenerationService.
+
+Handlers validate, submit to the Engine and relay its events. Every error a
+client can cause ends as a gRPC status on that call only.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from client._generated.jitney.engine.v1 import engine_pb2
+from client._generated.jitney.v1 import generation_pb2 as pb
+from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+from scheduler.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
+from scheduler.request import FinishReason
+from scheduler.validation import (
+    InvalidRequestError,
+    ModelLimits,
+    validate_generation,
+    validate_tokenize,
+)
+
+log = logging.getLogger("jitney.scheduler")
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+}
+
+
+@dataclass
+class ServingState:
+    """What the handlers need once the worker is ready (None before)."""
+
+    engine: Engine
+    ready: engine_pb2.Ready
+    limits: ModelLimits
+    tokenizer: Any
+
+
+def new_seed() -> int:
+    return random.getrandbits(63)
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self) -> None:
+        self.state: ServingState | None = None
+
+    async def _serving(self, context: grpc.aio.ServicerContext) -> ServingState:
+        if self.state is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not ready yet")
+        assert self.state is not None
+        return self.state
+
+    async def _submit(self, params: pb.GenerationParams,
+                      context: grpc.aio.ServicerContext) -> tuple[ServingState, RequestHandle]:
+        state = await self._serving(context)
+        try:
+            validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            return state, state.engine.submit(validated)
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        raise AssertionError("unreachable")
+
+    async def GenerateStream(self, request: pb.GenerateStreamRequest,
+                             context: grpc.aio.ServicerContext):  # type: ignore[override]
+        state, handle = await self._submit(request.params, context)
+        try:
+            async for event in handle.stream():
+                if event.error is not None:
+                    await context.abort(grpc.StatusCode[event.error_code], event.error)
+                yield _stream_response(handle.request_id, event)
+        finally:
+            # Runs on normal end, on error and when the client cancels or
+            # disconnects (the handler task is cancelled): frees the blocks.
+            state.engine.cancel(handle)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        state, handle = await self._submit(request.params, context)
+        response = pb.GenerateResponse(request_id=handle.request_id)
+        try:
+            async for event in handle.stream():
+                if event.error is not None:
+                    await context.abort(grpc.StatusCode[event.error_code], event.error)
+                response.text += event.text
+                response.token_ids.extend(event.token_ids)
+                response.logprobs.extend(event.logprobs)
+                if event.finish_reason is not None:
+                    response.finish_reason = FINISH_REASONS[event.finish_reason]
+                    response.usage.CopyFrom(_usage(event))
+        finally:
+            state.engine.cancel(handle)
+        return response
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        state = await self._serving(context)
+        try:
+            ids = validate_tokenize(request, state.tokenizer, state.limits)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        tokens = [state.tokenizer.decode([i]) for i in ids]
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        state = await self._serving(context)
+        ready, cfg = state.ready, state.engine.config
+        return pb.GetModelInfoResponse(
+            model_name=ready.model_name,
+            context_length=state.limits.context_length,
+            vocab_size=ready.vocab_size,
+            eos_token_ids=list(ready.eos_token_ids),
+            num_kv_blocks=ready.num_blocks,
+            block_size=ready.block_size,
+            dtype=ready.dtype,
+            device=ready.device,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+
+    async def GetServerStats(self, request: pb.GetServerStatsRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:
+        engine = (await self._serving(context)).engine
+        sched = engine.scheduler
+        return pb.GetServerStatsResponse(
+            requests_running=sched.num_running,
+            requests_waiting=sched.num_waiting,
+            kv_blocks_total=engine.config.num_blocks,
+            kv_blocks_used=sched.block_manager.num_used_blocks,
+            steps=engine.num_steps,
+            preemptions=engine.num_preemptions,
+        )
+
+
+def _usage(event: StreamEvent) -> pb.Usage:
+    return pb.Usage(prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                    cached_prompt_tokens=event.cached_prompt_tokens)
+
+
+def _stream_response(request_id: str, event: StreamEvent) -> pb.GenerateStreamResponse:
+    response = pb.GenerateStreamResponse(
+        request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text)
+    if event.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[event.finish_reason]
+        response.usage.CopyFrom(_usage(event))
+    return response

@@ -1,0 +1,97 @@
+"""Start real Jitney processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client._generated.jitney.v1 import generation_pb2 as pb
+from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    target: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stub(self) -> pb_grpc.GenerationServiceStub:
+        return pb_grpc.GenerationServiceStub(grpc.insecure_channel(self.target))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self) -> pb.GetServerStatsResponse:
+        return self.stub().GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+
+
+def health_status(target: str, timeout: float = 2.0) -> int | None:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+
+@contextmanager
+def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
+                   wait_serving: bool = True, startup_timeout: float = 240.0) -> Iterator[Server]:
+    """Run `jitney <command> --port P <args>` until the block ends."""
+    port = free_port()
+    log_path = log_dir / f"jitney-{command}-{port}.log"
+    cmd = [sys.executable, "-m", "client.cli", command, "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(f"127.0.0.1:{port}", proc, log_path)
+    try:
+        if wait_serving:
+            _wait_serving(server, startup_timeout)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_serving(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()}")
+        if health_status(server.target, 1.0) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"server not SERVING after {timeout} s:\n{server.log()}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+    except ProcessLookupError:
+        pass
+    proc.wait()

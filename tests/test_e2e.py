@@ -1,0 +1,200 @@
+"""End to end over real processes and sockets, on a tiny random model.
+
+`jitney serve` runs the scheduler and the worker as separate processes
+linked by ZeroMQ; the test talks gRPC to it like any client.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from client._generated.jitney.v1 import generation_pb2 as pb
+from client.client import Sampling, make_params
+from tests.server_harness import Server, health_status, running_server
+from tests.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 96
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    model = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    logs = tmp_path_factory.mktemp("logs")
+    args = ["--model", str(model), "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+            "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--dtype", "float32"]
+    with running_server(args, logs) as srv:
+        yield srv
+
+
+def ids_params(ids: list[int], max_tokens: int, **sampling) -> pb.GenerationParams:
+    return make_params(ids, sampling=Sampling(max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def stream_all(server: Server, params: pb.GenerationParams) -> list[pb.GenerateStreamResponse]:
+    return list(server.stub().GenerateStream(pb.GenerateStreamRequest(params=params), timeout=120))
+
+
+def wait_idle(server: Server, timeout: float = 10.0) -> pb.GetServerStatsResponse:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if (stats.kv_blocks_used == 0 and stats.requests_running == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_health_reflection_and_model_info(server: Server) -> None:
+    assert health_status(server.target) == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(server.target) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"jitney.v1.GenerationService", "grpc.health.v1.Health"} <= services
+        svc = db.FindFileContainingSymbol("jitney.v1.GenerationService")
+        assert svc.name == "jitney/v1/generation.proto"
+    info = server.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.num_kv_blocks, info.block_size) == (NUM_BLOCKS, BLOCK_SIZE)
+    assert info.vocab_size > 0 and info.context_length > 0 and list(info.eos_token_ids)
+
+
+def test_tokenize_and_unary_generate(server: Server) -> None:
+    stub = server.stub()
+    tok = stub.Tokenize(pb.TokenizeRequest(text="hello world"), timeout=10)
+    assert len(tok.token_ids) == len(tok.tokens) > 0
+    reply = stub.Generate(pb.GenerateRequest(params=ids_params(list(tok.token_ids), 9)), timeout=60)
+    assert len(reply.token_ids) == len(reply.logprobs) == 9
+    assert reply.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(tok.token_ids), 9)
+    # The stream carries the same greedy tokens and text, one step per message.
+    msgs = stream_all(server, ids_params(list(tok.token_ids), 9))
+    assert [t for m in msgs for t in m.token_ids] == list(reply.token_ids)
+    assert "".join(m.text for m in msgs) == reply.text
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+
+
+def test_32_concurrent_streams_get_exactly_their_tokens(server: Server) -> None:
+    jobs = [([(7 * i + j) % 200 + 3 for j in range(5 + 11 * i % 90)], 4 + (13 * i) % 40) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda job: stream_all(server, ids_params(*job)), jobs))
+    for (prompt, max_tokens), msgs in zip(jobs, results):
+        assert sum(len(m.token_ids) for m in msgs) == max_tokens
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert msgs[-1].usage.prompt_tokens == len(prompt)
+    # Each result equals the same request run alone (greedy, batch-independent).
+    alone = stream_all(server, ids_params(*jobs[5]))
+    assert [t for m in alone for t in m.token_ids] == [t for m in results[5] for t in m.token_ids]
+    assert wait_idle(server).kv_blocks_used == 0
+
+
+def test_same_seed_same_output_whatever_the_batch(server: Server) -> None:
+    params = ids_params([5, 6, 7, 8], 12, temperature=1.0, top_p=0.9, seed=1234)
+    alone = [t for m in stream_all(server, params) for t in m.token_ids]
+    with ThreadPoolExecutor(8) as pool:
+        noise = [pool.submit(stream_all, server, ids_params([9 + i] * (3 + i), 20, temperature=1.0))
+                 for i in range(6)]
+        batched = [t for m in stream_all(server, params) for t in m.token_ids]
+        for f in noise:
+            f.result()
+    assert batched == alone
+    other_seed = ids_params([5, 6, 7, 8], 12, temperature=1.0, top_p=0.9, seed=99)
+    assert [t for m in stream_all(server, other_seed) for t in m.token_ids] != alone
+
+
+def test_stop_string_ends_the_text_before_it(server: Server) -> None:
+    base = server.stub().Generate(pb.GenerateRequest(params=ids_params([11, 12, 13], 24)), timeout=60)
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if len(stop.strip()) < 2:
+        pytest.skip(f"the random model's text has no usable stop string: {text!r}")
+    params = ids_params([11, 12, 13], 24)
+    params.sampling.stop.append(stop)
+    msgs = stream_all(server, params)
+    got = "".join(m.text for m in msgs)
+    assert got == text[: text.index(stop)]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+
+
+def _invalid_cases(vocab: int, context: int) -> dict[str, tuple[pb.GenerationParams, str]]:
+    def with_sampling(**kw) -> pb.GenerationParams:
+        return make_params([1, 2, 3], sampling=Sampling(**kw))
+
+    chat = pb.GenerationParams()
+    chat.chat.messages.add(role="wizard", content="hi")
+    return {
+        "empty text": (pb.GenerationParams(text=""), "params"),
+        "empty token ids": (pb.GenerationParams(token_ids=pb.TokenIds()), "params"),
+        "no prompt": (pb.GenerationParams(), "params"),
+        "empty chat": (pb.GenerationParams(chat=pb.ChatPrompt()), "params.chat"),
+        "unknown role": (chat, "role"),
+        "negative temperature": (with_sampling(temperature=-0.5), "temperature"),
+        "top_p zero": (with_sampling(top_p=0.0), "top_p"),
+        "top_p above one": (with_sampling(top_p=1.5), "top_p"),
+        "token outside vocab": (make_params([1, vocab + 5]), "token_ids"),
+        "beyond context": (with_sampling(max_tokens=context), "max_tokens"),
+        "zero max_tokens": (with_sampling(max_tokens=0), "max_tokens"),
+        "empty stop string": (with_sampling(stop=[""]), "stop"),
+        "stop token outside vocab": (with_sampling(stop_token_ids=[vocab]), "stop_token_ids"),
+    }
+
+
+def test_invalid_inputs_are_rejected_while_others_stream(server: Server) -> None:
+    info = server.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    long_params = ids_params([3, 4, 5], 150)
+    result: dict[str, list] = {}
+    runner = threading.Thread(target=lambda: result.setdefault("msgs", stream_all(server, long_params)))
+    runner.start()
+    time.sleep(0.2)
+    for name, (params, field) in _invalid_cases(info.vocab_size, info.context_length).items():
+        for call in (server.stub().GenerateStream, server.stub().Generate):
+            req_type = pb.GenerateStreamRequest if call == server.stub().GenerateStream else pb.GenerateRequest
+            with pytest.raises(grpc.RpcError) as err:
+                out = call(req_type(params=params), timeout=10)
+                list(out) if not isinstance(out, pb.GenerateResponse) else out
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert field in err.value.details(), (name, err.value.details())
+    runner.join(120)
+    assert sum(len(m.token_ids) for m in result["msgs"]) == 150
+
+
+def test_cancelled_stream_frees_its_blocks(server: Server) -> None:
+    call = server.stub().GenerateStream(
+        pb.GenerateStreamRequest(params=ids_params(list(range(3, 60)), 400)), timeout=120)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 5:
+            break
+    assert server.stats().kv_blocks_used > 0
+    call.cancel()
+    stats = wait_idle(server)
+    assert (stats.kv_blocks_used, stats.requests_running, stats.requests_waiting) == (0, 0, 0)
+    # The server keeps serving after the cancel.
+    reply = server.stub().Generate(pb.GenerateRequest(params=ids_params([3, 4], 3)), timeout=60)
+    assert len(reply.token_ids) == 3
+
+
+def test_unavailable_until_the_worker_is_ready(tmp_path: Path) -> None:
+    """A scheduler with no worker: health NOT_SERVING, calls UNAVAILABLE."""
+    model = make_tiny_llama(tmp_path / "tiny")
+    args = ["--model", str(model), "--plan-addr", f"ipc://{tmp_path}/p", "--result-addr", f"ipc://{tmp_path}/r"]
+    with running_server(args, tmp_path, command="scheduler", wait_serving=False) as srv:
+        deadline = time.monotonic() + 60
+        while health_status(srv.target) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health_status(srv.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            srv.stub().Generate(pb.GenerateRequest(params=ids_params([1, 2], 2)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
