@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(ns)
     if ns.command == "health":
         return cmd_health(ns)
+    if ns.command in ("serve", "scheduler") and ns.max_num_batched_tokens < ns.max_num_seqs:
+        parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
+                     f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")
     _configure_logging(ns.log_level)
     if ns.command == "scheduler":
         from scheduler.main import SchedulerProcessConfig, run_scheduler

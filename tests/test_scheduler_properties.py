@@ -1,0 +1,137 @@
+"""Property test: random add / step / abort / finish against the fake worker.
+
+After every operation: block manager and scheduler invariants, budget and
+seats (checked by drive_step), and the worker's live sequences agree with
+the scheduler's. At the end, with everything drained: no block leaked, and
+every request not cut short finished by LENGTH with exactly the tokens of an
+uncontended run (preemption and recompute change nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from fake_worker import FakeWorker, drive_step, make_request, reference_output
+from scheduler.block_manager import cdiv
+from scheduler.config import SchedulerConfig
+from scheduler.request import FinishReason, Request
+from scheduler.scheduler import Scheduler
+
+EOS = frozenset(range(0, 1000, 7))   # every request ignores it
+
+
+@dataclass(frozen=True)
+class Add:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    priority: int
+
+
+@dataclass(frozen=True)
+class Step:
+    pass
+
+
+@dataclass(frozen=True)
+class Cut:
+    index: int           # into the requests added so far
+    abort: bool          # abort_request, else finish_request (a stop string)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> SchedulerConfig:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.integers(4, 16))
+    max_num_seqs = draw(st.integers(1, 4))
+    return SchedulerConfig(
+        block_size=block_size,
+        num_blocks=cdiv(max_model_len, block_size) + draw(st.integers(0, 4)),
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + draw(st.integers(0, 12)),
+        policy=draw(st.sampled_from(["continuous", "continuous", "static", "sequential"])),
+    )
+
+
+adds = st.builds(Add, st.lists(st.integers(0, 999), min_size=1, max_size=12).map(tuple),
+                 st.integers(1, 10), st.integers(0, 2))
+operations = st.lists(st.one_of(
+    adds, adds, st.just(Step()), st.just(Step()),
+    st.builds(Cut, st.integers(0, 100), st.booleans()),
+), min_size=1, max_size=60)
+
+
+class Harness:
+    """Applies operations and checks the invariants after each."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.scheduler = Scheduler(config, eos_token_ids=EOS)
+        self.worker = FakeWorker(config.num_blocks, config.block_size)
+        self.requests: list[Request] = []
+        self.cut: set[int] = set()
+
+    def apply(self, op: Add | Step | Cut) -> None:
+        if isinstance(op, Add):
+            self._add(op)
+        elif isinstance(op, Step):
+            output, _ = drive_step(self.scheduler, self.worker)
+            if output.preempted:
+                event("preemption")
+        elif self.requests:
+            self._cut(self.requests[op.index % len(self.requests)], op.abort)
+        self.check()
+
+    def _add(self, op: Add) -> None:
+        limit = self.scheduler.config.max_model_len
+        prompt = list(op.prompt[:limit - 1])
+        max_tokens = min(op.max_tokens, limit - len(prompt))
+        request = make_request(len(self.requests), prompt, max_tokens=max_tokens,
+                               priority=op.priority, ignore_eos=True)
+        self.scheduler.add_request(request)
+        self.requests.append(request)
+
+    def _cut(self, request: Request, abort: bool) -> None:
+        was_live = self.scheduler.get_request(request.seq_id) is not None
+        if abort:
+            got = self.scheduler.abort_request(request.seq_id, FinishReason.CANCELLED)
+        else:
+            got = self.scheduler.finish_request(request.seq_id, FinishReason.STOP_SEQUENCE)
+        assert (got is request) == was_live
+        if was_live:
+            self.cut.add(request.seq_id)
+            assert request.is_finished and request.block_ids == []
+
+    def check(self) -> None:
+        s = self.scheduler
+        s.check_invariants()
+        on_worker = s._on_worker | set(s._pending_freed)
+        assert set(self.worker.seqs) == on_worker
+
+    def drain(self) -> None:
+        for _ in range(2000):
+            if not self.scheduler.has_work():
+                break
+            self.apply(Step())
+        assert not self.scheduler.has_work(), "scheduler did not drain"
+        assert self.scheduler.block_manager.num_used_blocks == 0
+        assert self.worker.seqs == {}
+        for r in self.requests:
+            assert r.is_finished
+            if r.seq_id not in self.cut:
+                assert r.finish_reason is FinishReason.LENGTH
+                assert r.output_token_ids == reference_output(
+                    r.prompt_token_ids, r.sampling.max_tokens)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs(), first=st.lists(adds, min_size=2, max_size=8), ops=operations)
+def test_random_operations_keep_invariants_and_outputs(
+        config: SchedulerConfig, first: list[Add], ops: list[Add | Step | Cut]) -> None:
+    harness = Harness(config)
+    for op in [*first, *ops]:
+        harness.apply(op)
+    harness.drain()
+    event(f"requests: {min(len(harness.requests), 10)}+" if harness.requests else "no requests")
