@@ -1,0 +1,297 @@
+"""Validation of public API requests, with real exceptions.
+
+Every rule raises ``InvalidRequestError`` naming the offending proto field
+path (``params.sampling.top_p``); the server maps it to INVALID_ARGUMENT.
+Nothing here asserts: a bad request must end as that request's error.
+
+Decisions:
+  * Chat message content may be any string, empty included; the message list
+    must not be empty and each role must be system, user or assistant.
+  * A text prompt is tokenized with the tokenizer's own special-token choice
+    (``add_special_tokens=True``: a BOS only where the model wants one).
+  * The prompt must be shorter than the context length (room for at least
+    one output token). Tokenize requests are not held to the context length.
+  * Temperature above ``MAX_TEMPERATURE`` is rejected as a likely mistake.
+  * A request id is at most 128 printable ASCII characters (it travels in
+    logs and metadata); an empty one is replaced by a uuid4 hex.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from client._generated.jitney.v1 import generation_pb2
+from scheduler.request import SamplingOptions
+
+# A transformers tokenizer (PreTrainedTokenizerBase).
+Tokenizer = Any
+
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+MAX_TEMPERATURE = 100.0
+MAX_REQUEST_ID_CHARS = 128
+
+
+class InvalidRequestError(ValueError):
+    """A request field breaks a rule; ``field`` is its proto path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model and server accept."""
+
+    vocab_size: int                       # token ids must be < this
+    context_length: int                   # prompt + output tokens <= this
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 1024
+    max_prompt_chars: int = 1_000_000     # text, or chat contents summed
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A generation request that passed every rule."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    request_id: str
+
+
+def validate_generation(
+    params: generation_pb2.GenerationParams,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    *,
+    new_seed: Callable[[], int],
+) -> ValidatedRequest:
+    """Check a GenerationParams and resolve its defaults.
+
+    ``new_seed`` draws the seed of a request that sets none. Raises
+    InvalidRequestError on the first broken rule.
+    """
+    request_id = _request_id(params.request_id)
+    prompt = render_prompt(params, tokenizer, limits, path="params")
+    _check_prompt_fits(len(prompt), limits, f"params.{params.WhichOneof('prompt')}")
+    sampling = _sampling(params.sampling, len(prompt), limits, new_seed)
+    return ValidatedRequest(tuple(prompt), sampling, request_id)
+
+
+def validate_tokenize(
+    req: generation_pb2.TokenizeRequest, tokenizer: Tokenizer, limits: ModelLimits
+) -> list[int]:
+    """Check a TokenizeRequest and return its token ids."""
+    return render_prompt(req, tokenizer, limits, path="")
+
+
+def render_prompt(
+    message: generation_pb2.GenerationParams | generation_pb2.TokenizeRequest,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    *,
+    path: str,
+) -> list[int]:
+    """Token ids of the prompt set in ``message`` (its ``prompt`` or
+    ``input`` oneof): text tokenized, chat rendered with the chat template,
+    token ids checked against the vocabulary.
+
+    ``path`` is the message's own field path ("params", or "" at the top),
+    used to name fields in errors.
+    """
+    prefix = f"{path}." if path else ""
+    oneof = "prompt" if isinstance(message, generation_pb2.GenerationParams) else "input"
+    kind = message.WhichOneof(oneof)
+    if kind == "text":
+        ids = _render_text(message.text, tokenizer, limits, f"{prefix}text")
+    elif kind == "chat":
+        ids = _render_chat(message.chat, tokenizer, limits, f"{prefix}chat")
+    elif kind == "token_ids" and isinstance(message, generation_pb2.GenerationParams):
+        ids = _checked_ids(message.token_ids.ids, limits, f"{prefix}token_ids.ids")
+    else:
+        raise InvalidRequestError(f"{prefix}{oneof}", "exactly one prompt kind must be set")
+    if not ids:
+        raise InvalidRequestError(f"{prefix}{kind}", "renders to no tokens")
+    return ids
+
+
+def _render_text(text: str, tokenizer: Tokenizer, limits: ModelLimits, field: str) -> list[int]:
+    if not text:
+        raise InvalidRequestError(field, "must not be empty")
+    if len(text) > limits.max_prompt_chars:
+        raise InvalidRequestError(
+            field, f"has {len(text)} characters, more than the limit {limits.max_prompt_chars}"
+        )
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _render_chat(
+    chat: generation_pb2.ChatPrompt, tokenizer: Tokenizer, limits: ModelLimits, field: str
+) -> list[int]:
+    messages = chat.messages
+    if not messages:
+        raise InvalidRequestError(f"{field}.messages", "must not be empty")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"{field}.messages[{i}].role",
+                f"must be one of {sorted(CHAT_ROLES)}, got {m.role[:32]!r}",
+            )
+    chars = sum(len(m.content) for m in messages)
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequestError(
+            f"{field}.messages",
+            f"contents have {chars} characters, more than the limit {limits.max_prompt_chars}",
+        )
+    return _apply_chat_template(tokenizer, messages, field)
+
+
+def _apply_chat_template(
+    tokenizer: Tokenizer, messages: Sequence[generation_pb2.ChatMessage], field: str
+) -> list[int]:
+    """The chat template with the assistant turn opened, as token ids."""
+    from jinja2.exceptions import TemplateError
+
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        out = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True
+        )
+    except TemplateError as e:  # the template's own raise_exception(...)
+        raise InvalidRequestError(f"{field}.messages", f"rejected by the chat template: {e}") from e
+    # transformers 5 returns a BatchEncoding; 4.x a plain list.
+    ids = out["input_ids"] if not isinstance(out, list) else out
+    return [int(t) for t in ids]
+
+
+def _checked_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> list[int]:
+    if not ids:
+        raise InvalidRequestError(field, "must not be empty")
+    _check_prompt_fits(len(ids), limits, field)  # before a long scan
+    _check_in_vocab(ids, limits, field)
+    return list(ids)
+
+
+def _check_in_vocab(ids: Sequence[int], limits: ModelLimits, field: str) -> None:
+    for i, t in enumerate(ids):
+        if t >= limits.vocab_size:
+            raise InvalidRequestError(
+                f"{field}[{i}]",
+                f"token id {t} is outside the vocabulary (size {limits.vocab_size})",
+            )
+
+
+def _check_prompt_fits(num_tokens: int, limits: ModelLimits, field: str) -> None:
+    if num_tokens >= limits.context_length:
+        raise InvalidRequestError(
+            field,
+            f"prompt has {num_tokens} tokens, which leaves no room to generate "
+            f"within the context length {limits.context_length}",
+        )
+
+
+def _sampling(
+    s: generation_pb2.SamplingParams,
+    prompt_len: int,
+    limits: ModelLimits,
+    new_seed: Callable[[], int],
+) -> SamplingOptions:
+    f = "params.sampling"
+    return SamplingOptions(
+        temperature=_temperature(s, f"{f}.temperature"),
+        top_p=_top_p(s, f"{f}.top_p"),
+        top_k=_top_k(s, limits, f"{f}.top_k"),
+        seed=s.seed if s.HasField("seed") else new_seed(),
+        max_tokens=_max_tokens(s, prompt_len, limits, f"{f}.max_tokens"),
+        stop=_stop_strings(s.stop, limits, f"{f}.stop"),
+        stop_token_ids=_stop_token_ids(s.stop_token_ids, limits, f"{f}.stop_token_ids"),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def _temperature(s: generation_pb2.SamplingParams, field: str) -> float:
+    if not s.HasField("temperature"):
+        return 0.0
+    t = s.temperature
+    if not math.isfinite(t) or t < 0 or t > MAX_TEMPERATURE:
+        raise InvalidRequestError(field, f"must be in [0, {MAX_TEMPERATURE:g}], got {t:g}")
+    return t
+
+
+def _top_p(s: generation_pb2.SamplingParams, field: str) -> float:
+    if not s.HasField("top_p"):
+        return 1.0
+    p = s.top_p
+    if not (math.isfinite(p) and 0 < p <= 1):
+        raise InvalidRequestError(field, f"must be in (0, 1], got {p:g}")
+    return p
+
+
+def _top_k(s: generation_pb2.SamplingParams, limits: ModelLimits, field: str) -> int:
+    k = s.top_k
+    if k > limits.vocab_size:
+        raise InvalidRequestError(
+            field, f"must be at most the vocabulary size {limits.vocab_size}, got {k}"
+        )
+    return k
+
+
+def _max_tokens(
+    s: generation_pb2.SamplingParams, prompt_len: int, limits: ModelLimits, field: str
+) -> int:
+    room = limits.context_length - prompt_len  # >= 1: the prompt was checked
+    if not s.HasField("max_tokens"):
+        return room
+    n = s.max_tokens
+    if n < 1:
+        raise InvalidRequestError(field, f"must be at least 1, got {n}")
+    if n > room:
+        raise InvalidRequestError(
+            field,
+            f"prompt ({prompt_len} tokens) + max_tokens ({n}) exceeds "
+            f"the context length {limits.context_length}",
+        )
+    return n
+
+
+def _stop_strings(stop: Sequence[str], limits: ModelLimits, field: str) -> tuple[str, ...]:
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequestError(
+            field, f"has {len(stop)} strings, more than the limit {limits.max_stop_strings}"
+        )
+    for i, s in enumerate(stop):
+        if not s:
+            raise InvalidRequestError(f"{field}[{i}]", "must not be empty")
+        if len(s) > limits.max_stop_string_chars:
+            raise InvalidRequestError(
+                f"{field}[{i}]",
+                f"has {len(s)} characters, more than the limit {limits.max_stop_string_chars}",
+            )
+    return tuple(stop)
+
+
+def _stop_token_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> frozenset[int]:
+    if len(ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            field, f"has {len(ids)} ids, more than the limit {limits.max_stop_token_ids}"
+        )
+    _check_in_vocab(ids, limits, field)
+    return frozenset(ids)
+
+
+def _request_id(request_id: str) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "params.request_id",
+            f"has {len(request_id)} characters, more than the limit {MAX_REQUEST_ID_CHARS}",
+        )
+    if not all(" " <= c <= "~" for c in request_id):
+        raise InvalidRequestError("params.request_id", "must be printable ASCII")
+    return request_id
