@@ -31,7 +31,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    model = make_tiny_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
     logs = tmp_path_factory.mktemp("logs")
     args = ["--model", str(model), "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
             "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--dtype", "float32"]
@@ -171,7 +171,7 @@ def test_invalid_inputs_are_rejected_while_others_stream(server: Server) -> None
 
 def test_cancelled_stream_frees_its_blocks(server: Server) -> None:
     call = server.stub().GenerateStream(
-        pb.GenerateStreamRequest(params=ids_params(list(range(3, 60)), 400)), timeout=120)
+        pb.GenerateStreamRequest(params=ids_params(list(range(3, 60)), 1400)), timeout=120)
     got = 0
     for msg in call:
         got += len(msg.token_ids)

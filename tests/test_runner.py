@@ -1,0 +1,234 @@
+"""ModelRunner driven by engine_pb2 step plans, as the scheduler drives it."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.tiny_models import make_tiny_llama
+from client._generated.jitney.engine.v1 import engine_pb2 as pb
+from worker.config import WorkerConfig
+from worker.main import run_worker
+from worker.plan import PlanError
+from worker.runner import ModelRunner
+
+BLOCK = 4
+NUM_BLOCKS = 96
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("runner") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def config(model_dir: Path) -> WorkerConfig:
+    return WorkerConfig(
+        model=str(model_dir), dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=64, max_num_seqs=8,
+    )
+
+
+@pytest.fixture
+def runner(config: WorkerConfig) -> ModelRunner:
+    return ModelRunner(config)
+
+
+@dataclass
+class Seq:
+    """The scheduler's view of one sequence, just enough to write plans."""
+
+    tokens: list[int]
+    sampling: pb.SamplingConfig
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    known: bool = False
+
+
+class Driver:
+    """A minimal scheduler: hands out blocks, writes plans, appends samples."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.free = list(range(NUM_BLOCKS - 1, -1, -1))  # hand out high ids first
+        self.seqs: dict[int, Seq] = {}
+        self.step_id = 0
+
+    def add(self, sid: int, prompt: list[int], temperature: float = 0.0, seed: int = 0) -> None:
+        sampling = pb.SamplingConfig(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=seed)
+        self.seqs[sid] = Seq(list(prompt), sampling)
+
+    def preempt(self, sid: int) -> None:
+        seq = self.seqs[sid]
+        self.free += seq.blocks
+        seq.blocks, seq.computed, seq.known = [], 0, False
+
+    def step(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> dict[int, int]:
+        plan = pb.StepPlan(step_id=self.step_id, freed_seq_ids=list(freed))
+        self.step_id += 1
+        for sid, n in budget.items():
+            seq = self.seqs[sid]
+            if not seq.known:
+                plan.new_sequences.add(seq_id=sid, sampling=seq.sampling)
+                seq.known = True
+            n = min(n, len(seq.tokens) - seq.computed)
+            need = math.ceil((seq.computed + n) / BLOCK) - len(seq.blocks)
+            new_blocks = [self.free.pop() for _ in range(need)]
+            seq.blocks += new_blocks
+            plan.chunks.add(
+                seq_id=sid, start_position=seq.computed, token_ids=seq.tokens[seq.computed : seq.computed + n],
+                new_block_ids=new_blocks, sample=seq.computed + n == len(seq.tokens),
+            )
+            seq.computed += n
+        result = self.runner.execute(plan)
+        out = dict(zip(result.seq_ids, result.token_ids))
+        for sid, token in out.items():
+            self.seqs[sid].tokens.append(token)
+        return out
+
+    def generate(self, sids: list[int], steps: int, chunk: int = 64) -> None:
+        for _ in range(steps):
+            self.step({sid: chunk for sid in sids})
+
+
+PROMPTS = {1: [5, 17, 42, 99, 3, 250, 7, 8, 11, 60, 61], 2: [300, 2, 19, 77, 140, 141, 142], 3: list(range(30, 53))}
+
+
+def outputs(driver: Driver, sid: int) -> list[int]:
+    return driver.seqs[sid].tokens[len(PROMPTS[sid]) :]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_equals_alone(config: WorkerConfig, temperature: float) -> None:
+    together = Driver(ModelRunner(config))
+    for sid in (1, 2):
+        together.add(sid, PROMPTS[sid], temperature, seed=sid)
+    together.generate([1, 2], steps=9)
+    for sid in (1, 2):
+        alone = Driver(ModelRunner(config))
+        alone.add(sid, PROMPTS[sid], temperature, seed=sid)
+        alone.generate([sid], steps=9)
+        assert outputs(alone, sid) == outputs(together, sid)
+        assert len(outputs(alone, sid)) == 9
+
+
+def test_chunked_prefill_equals_one_shot(runner: ModelRunner, config: WorkerConfig) -> None:
+    chunked = Driver(runner)
+    chunked.add(3, PROMPTS[3])
+    for _ in range(5):  # 23 prompt tokens in chunks of 5: the 5th step samples
+        chunked.step({3: 5})
+    chunked.generate([3], steps=6)
+    one_shot = Driver(ModelRunner(config))
+    one_shot.add(3, PROMPTS[3])
+    one_shot.generate([3], steps=7)
+    assert outputs(chunked, 3) == outputs(one_shot, 3) and len(outputs(chunked, 3)) == 7
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_preempted_sequence_recomputes_the_same_tokens(config: WorkerConfig, temperature: float) -> None:
+    steady = Driver(ModelRunner(config))
+    steady.add(1, PROMPTS[1], temperature, seed=7)
+    steady.generate([1], steps=10)
+    bumpy = Driver(ModelRunner(config))
+    bumpy.add(1, PROMPTS[1], temperature, seed=7)
+    bumpy.add(2, PROMPTS[2])
+    bumpy.generate([1, 2], steps=4)
+    bumpy.preempt(1)  # freed and re-added in the same plan, new blocks
+    bumpy.step({1: 9, 2: 1}, freed=(1,))  # recompute in two chunks
+    bumpy.generate([1], steps=6)
+    assert outputs(bumpy, 1) == outputs(steady, 1)
+
+
+def test_a_plan_that_only_frees(runner: ModelRunner) -> None:
+    driver = Driver(runner)
+    driver.add(1, PROMPTS[1])
+    driver.generate([1], steps=1)
+    result = runner.execute(pb.StepPlan(step_id=50, freed_seq_ids=[1]))
+    assert result.step_id == 50 and not result.seq_ids and 1 not in runner.sequences
+
+
+def bad_plans() -> dict[str, pb.StepPlan]:
+    """Each breaks one rule, given seq 1 known with 3 blocks and 11 computed tokens."""
+    new = pb.NewSequence(seq_id=9, sampling=pb.SamplingConfig())
+
+    def chunk(**kw: object) -> pb.StepPlan:
+        args: dict[str, object] = {"seq_id": 1, "start_position": 11, "token_ids": [4], "sample": True}
+        args.update(kw)
+        return pb.StepPlan(step_id=99, chunks=[pb.ScheduledChunk(**args)])  # type: ignore[arg-type]
+
+    return {
+        "unknown seq": chunk(seq_id=5),
+        "unknown freed seq": pb.StepPlan(step_id=99, freed_seq_ids=[5]),
+        "chunk of a freed seq": pb.StepPlan(step_id=99, freed_seq_ids=[1], chunks=chunk().chunks),
+        "duplicate seq": pb.StepPlan(step_id=99, chunks=list(chunk().chunks) * 2),
+        "block out of range": chunk(start_position=12, new_block_ids=[NUM_BLOCKS]),
+        "beyond block table": chunk(start_position=12),
+        "beyond context": chunk(start_position=256, new_block_ids=[0] * 62),
+        "token outside vocab": chunk(token_ids=[320]),
+        "empty token ids": chunk(token_ids=[]),
+        "new seq already known": pb.StepPlan(step_id=99, new_sequences=[pb.NewSequence(seq_id=1)]),
+        "new seq twice": pb.StepPlan(step_id=99, new_sequences=[new, new]),
+        "negative temperature": pb.StepPlan(
+            step_id=99, new_sequences=[pb.NewSequence(seq_id=9, sampling=pb.SamplingConfig(temperature=-1))]
+        ),
+        "over token budget": chunk(start_position=0, token_ids=list(range(65)), new_block_ids=list(range(14))),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_plans()))
+def test_bad_plan_is_rejected_and_state_kept(runner: ModelRunner, config: WorkerConfig, case: str) -> None:
+    driver = Driver(runner)
+    driver.add(1, PROMPTS[1])
+    driver.generate([1], steps=1)  # 12 tokens, 11 computed, 3 blocks
+    before = {sid: (vars(s).copy(), list(s.block_table)) for sid, s in runner.sequences.items()}
+    with pytest.raises(PlanError, match="step 99"):
+        runner.execute(bad_plans()[case])
+    assert {sid: (vars(s).copy(), list(s.block_table)) for sid, s in runner.sequences.items()} == before
+    driver.generate([1], steps=3)
+    control = Driver(ModelRunner(config))
+    control.add(1, PROMPTS[1])
+    control.generate([1], steps=4)
+    assert outputs(driver, 1) == outputs(control, 1)
+
+
+def test_ready_message(runner: ModelRunner) -> None:
+    ready = runner.ready_message()
+    assert ready.protocol_version == pb.PROTOCOL_VERSION_1
+    assert (ready.model_name, ready.vocab_size, ready.context_length) == ("tiny", 320, 256)
+    assert list(ready.eos_token_ids) == [2]
+    assert (ready.num_blocks, ready.block_size, ready.dtype, ready.device) == (NUM_BLOCKS, BLOCK, "float32", "cpu")
+
+
+def test_worker_loop_over_zeromq(config: WorkerConfig, tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    plans, results = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    plans.bind(f"ipc://{tmp_path}/plan")
+    results.bind(f"ipc://{tmp_path}/result")
+    results.setsockopt(zmq.RCVTIMEO, 30000)
+    cfg = replace(config, plan_addr=f"ipc://{tmp_path}/plan", result_addr=f"ipc://{tmp_path}/result")
+    exit_code: list[int] = []
+    thread = threading.Thread(target=lambda: exit_code.append(run_worker(cfg)))
+    thread.start()
+    try:
+        assert pb.WorkerMessage.FromString(results.recv()).ready.num_blocks == NUM_BLOCKS
+        plans.send(b"\xff\xff garbage")
+        assert pb.WorkerMessage.FromString(results.recv()).HasField("error")
+        plan = pb.StepPlan(step_id=3, new_sequences=[pb.NewSequence(seq_id=1)])
+        plan.chunks.add(seq_id=1, start_position=0, token_ids=[1, 2, 3], new_block_ids=[0], sample=True)
+        plans.send(pb.SchedulerMessage(plan=plan).SerializeToString())
+        reply = pb.WorkerMessage.FromString(results.recv())
+        assert reply.result.step_id == 3 and list(reply.result.seq_ids) == [1] and reply.result.forward_seconds > 0
+        plans.send(pb.SchedulerMessage(plan=plan).SerializeToString())  # seq 1 again: a bad plan
+        assert "already known" in pb.WorkerMessage.FromString(results.recv()).error.message
+        plans.send(pb.SchedulerMessage(shutdown=pb.Shutdown()).SerializeToString())
+        thread.join(timeout=30)
+        assert exit_code == [0]
+    finally:
+        plans.close(linger=0)
+        results.close(linger=0)
+        ctx.term()

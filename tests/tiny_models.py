@@ -1,0 +1,133 @@
+"""Tiny random Llama-family models saved as real Hugging Face folders.
+
+Each folder holds config.json, model.safetensors and a small working
+byte-level BPE tokenizer with a ChatML template, so the whole server can run
+on it. Everything is seeded: the same arguments give the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+EOS_TOKEN_ID = 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a jitney is a minibus that picks up passengers anywhere along its route",
+    "in-flight batching rebuilds the batch at every generation step",
+    "hello world, hello jitney; tokens go in and tokens come out",
+] * 20
+
+
+def make_tokenizer(path: Path, vocab_size: int) -> Any:
+    """Train a byte-level BPE of exactly ``vocab_size`` tokens and save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    # A small corpus may run out of merges: pad so every model id decodes.
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _save(model: torch.nn.Module, path: Path, vocab_size: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    make_tokenizer(path, vocab_size)
+    return path
+
+
+def make_tiny_llama(
+    path: Path,
+    *,
+    untied: bool = True,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 256,
+    rope_parameters: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> Path:
+    """A random fp32 LlamaForCausalLM (GQA) with tokenizer, saved to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size + 16,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=not untied,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=0,
+        # Wider than the default 0.02 so the logits spread out and the
+        # comparisons test something.
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    return _save(LlamaForCausalLM(config).eval(), path, vocab_size)
+
+
+def make_tiny_qwen2(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path:
+    """A random fp32 Qwen2ForCausalLM (q/k/v biases, tied head) with tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    # HF initialises biases to zero; random ones make the test see them.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    return _save(model, path, vocab_size)

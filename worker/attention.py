@@ -1,0 +1,252 @@
+"""Paged attention: the metadata of a fused step and the backends that use it.
+
+The KV cache of one layer is two tensors shaped
+``(num_blocks, block_size, n_kv_heads, head_dim)``. Token ``p`` of a sequence
+lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+A fused step flattens the new tokens of all its sequences into one ``(T,)``
+batch, grouped by sequence, decodes first:
+
+    # [0, num_decodes)          -> decodes: one query token each
+    # [num_decodes, B)          -> prefill chunks: any number of query tokens
+    # for sequence i: tokens [query_start_loc[i], query_start_loc[i+1]) are its
+    # queries, at positions [seq_lens[i] - query_len_i, seq_lens[i])
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens go in the cache and what each one attends to.
+
+    Passed explicitly to every layer; there is no global context.
+
+    Attributes:
+      slot_mapping: (T,) int64, cache slot of each new token.
+      query_start_loc: (B + 1,) int64, cumulative query counts per sequence.
+      seq_lens: (B,) int64, context length of each sequence including its
+        new tokens.
+      block_tables: (B, max_blocks) int64, each sequence's blocks, padded
+        with 0 (padding is masked out, never read as context).
+      num_decodes: sequences [0, num_decodes) have exactly one query token.
+      query_start_loc_host, seq_lens_host: the same values as Python ints,
+        so the prefill path slices without device syncs.
+      block_size: tokens per cache block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    query_start_loc_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Build from per-sequence host lists.
+
+        The leading sequences with one query token are the batched decodes;
+        put all of them first (a later one-token chunk still works, through
+        the per-sequence path).
+
+        ``block_tables[i]`` must cover positions ``[0, seq_lens[i])``.
+        """
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        starts = [0]
+        for qlen in query_lens:
+            starts.append(starts[-1] + qlen)
+        used = [t[: math.ceil(s / block_size)] for t, s in zip(block_tables, seq_lens)]
+        width = max(map(len, used), default=0)
+        padded = [t + [0] * (width - len(t)) for t in used]
+        slots = _slot_mapping(query_lens, seq_lens, used, block_size)
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            slot_mapping=tensor(slots),
+            query_start_loc=tensor(starts),
+            seq_lens=tensor(seq_lens),
+            block_tables=tensor(padded).view(len(seq_lens), width),
+            num_decodes=num_decodes,
+            query_start_loc_host=tuple(starts),
+            seq_lens_host=tuple(seq_lens),
+            block_size=block_size,
+        )
+
+
+def _slot_mapping(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """Cache slot of every new token, sequence after sequence."""
+    slots: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+        for pos in range(slen - qlen, slen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+class AttentionBackend(ABC):
+    """How K/V reach the paged cache and how queries attend over it.
+
+    A CUDA backend (Triton kernels) implements the same two calls.
+    """
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store the step's K/V ``(T, kvh, d)`` at ``meta.slot_mapping``."""
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of ``query (T, nh, d)`` over the cache -> ``(T, nh, d)``.
+
+        Called after ``write_kv``, so each token sees its own K/V.
+        """
+
+
+def gqa_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention without copying K/V per query head.
+
+    query (B, Tq, nh, d); key, value (B, L, kvh, d); mask (B, Tq, L) bool,
+    True = may attend. Returns (B, Tq, nh, d).
+
+    The g = nh // kvh query heads that share a kv head are folded into the
+    query-length axis, so one plain SDPA call serves them all.
+    """
+    b, tq, nh, d = query.shape
+    kvh = key.shape[2]
+    g = nh // kvh
+    q = query.view(b, tq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, tq * g, d)
+    k = key.transpose(1, 2)  # (B, kvh, L, d)
+    v = value.transpose(1, 2)
+    m = mask.repeat_interleave(g, dim=1).unsqueeze(1)  # (B, 1, Tq*g, L)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)  # (B, kvh, Tq*g, d)
+    return out.view(b, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(b, tq, nh, d)
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache (num_blocks, bs, kvh, d), tables (B, n) -> (B, n * bs, kvh, d).
+
+    index_select is about 3x faster than advanced indexing on CPU.
+    """
+    b, n = tables.shape
+    bs, kvh, d = cache.shape[1:]
+    return cache.index_select(0, tables.reshape(-1)).view(b, n * bs, kvh, d)
+
+
+class TorchPagedAttention(AttentionBackend):
+    """The CPU (and fallback) path in plain torch.
+
+    Decodes are batched: their blocks are gathered into one padded
+    ``(B, max_len, kvh, d)`` tensor and attended in one call. Prefill chunks
+    are attended one sequence at a time.
+    """
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        kvh, d = k_cache.shape[2:]
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, value)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        n = meta.num_decodes
+        if n > 0:
+            out[:n] = self._decodes(query[:n], k_cache, v_cache, meta, scale)
+        for i in range(n, meta.num_seqs):
+            start, end = meta.query_start_loc_host[i], meta.query_start_loc_host[i + 1]
+            out[start:end] = self._prefill(query[start:end], i, k_cache, v_cache, meta, scale)
+        return out
+
+    def _decodes(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        n = query.shape[0]
+        max_len = max(meta.seq_lens_host[:n])
+        tables = meta.block_tables[:n, : math.ceil(max_len / meta.block_size)]
+        key = _gather_blocks(k_cache, tables)[:, :max_len]  # (B, max_len, kvh, d)
+        value = _gather_blocks(v_cache, tables)[:, :max_len]
+        positions = torch.arange(max_len, device=query.device)
+        mask = positions[None, :] < meta.seq_lens[:n, None]  # (B, max_len)
+        out = gqa_attention(query.unsqueeze(1), key, value, mask.unsqueeze(1), scale)
+        return out.squeeze(1)  # (B, nh, d)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        index: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        seq_len = meta.seq_lens_host[index]
+        num_queries = query.shape[0]
+        table = meta.block_tables[index, : math.ceil(seq_len / meta.block_size)]
+        key = _gather_blocks(k_cache, table[None])[0, :seq_len]  # (L, kvh, d)
+        value = _gather_blocks(v_cache, table[None])[0, :seq_len]
+        # Query i sits at position seq_len - num_queries + i: it sees keys up
+        # to and including that position (earlier chunks included).
+        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # (Tq, L)
+        out = gqa_attention(query[None], key[None], value[None], mask[None], scale)
+        return out[0]  # (Tq, nh, d)

@@ -1,0 +1,155 @@
+"""The worker's one frozen configuration object and its command-line flags.
+
+Derived values (the resolved dtype, the number of cache blocks) are computed
+from this object and returned by the code that needs them; nothing is ever
+written back into it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16", "auto"]
+Device = Literal["cpu", "cuda"]
+
+DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
+DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything the worker process needs to know, fixed at start.
+
+    Fields:
+      model: path to a Hugging Face model folder or a ``.gguf`` file;
+        ``None`` means the bundled default (SmolLM2-135M-Instruct, GGUF).
+      dtype: weight, activation and KV-cache dtype. ``auto`` picks bfloat16
+        on CUDA and on CPUs with native bf16 math (AVX512-BF16 or AMX),
+        float32 otherwise.
+      device: ``cpu`` or ``cuda``.
+      block_size: tokens per KV-cache block (the scheduler's block size).
+      num_blocks: exact number of KV-cache blocks; exclusive with
+        ``kv_cache_gib``.
+      kv_cache_gib: KV-cache size in GiB; exclusive with ``num_blocks``. When
+        both are ``None`` the cache takes 2 GiB on CPU, or 90% of the GPU
+        memory left free after loading the model on CUDA.
+      max_num_batched_tokens: most tokens in one fused step (the scheduler's
+        token budget); a plan over it is rejected.
+      max_num_seqs: most sequences in one fused step; a plan over it is
+        rejected.
+      plan_addr: ZeroMQ endpoint the worker connects its PULL socket to
+        (step plans come in here). ``None`` only until the launcher fills it.
+      result_addr: ZeroMQ endpoint the worker connects its PUSH socket to
+        (Ready, step results and errors go out here).
+      threads: torch intra-op threads; ``None`` keeps torch's default.
+      max_model_len: cap on the context length (prompt + output tokens);
+        ``None`` means the model's own limit.
+    """
+
+    model: str | None = None
+    dtype: DType = "auto"
+    device: Device = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    plan_addr: str | None = None
+    result_addr: str | None = None
+    threads: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        # Guards programmatic construction; the CLI reports the same errors
+        # earlier through argparse.
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.num_blocks is not None and self.kv_cache_gib is not None:
+            raise ValueError("num_blocks and kv_cache_gib are mutually exclusive")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("num_blocks", "threads", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError("kv_cache_gib must be > 0")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> WorkerConfig:
+        """Build from parsed flags (those added by ``add_worker_arguments``).
+
+        Missing attributes keep their defaults, so a namespace from a parser
+        that lacks ``--plan-addr``/``--result-addr`` works too.
+        """
+        defaults = cls()
+        values = {
+            name: getattr(ns, name, getattr(defaults, name))
+            for name in cls.__dataclass_fields__
+        }
+        return cls(**values)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _model_path(text: str) -> str:
+    # Checked early so a typo fails at the command line, not after fork.
+    path = Path(text)
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise argparse.ArgumentTypeError(f"not a model folder or .gguf file: {text!r}")
+    return text
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the worker's flags to ``parser`` (dest names = field names)."""
+    group = parser.add_argument_group("worker")
+    group.add_argument("--model", type=_model_path, default=None,
+                       help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="model and KV-cache dtype (default: auto)")
+    group.add_argument("--device", choices=DEVICE_CHOICES, default="cpu",
+                       help="where the model runs (default: cpu)")
+    group.add_argument("--block-size", dest="block_size", type=_positive_int, default=16,
+                       help="tokens per KV-cache block (default: 16)")
+    size = group.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", dest="num_blocks", type=_positive_int, default=None,
+                      help="number of KV-cache blocks")
+    size.add_argument("--kv-cache-gib", dest="kv_cache_gib", type=_positive_float, default=None,
+                      help="KV-cache size in GiB (default: 2 on CPU, 90%% of free GPU memory on CUDA)")
+    group.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens",
+                       type=_positive_int, default=512,
+                       help="token budget of one step (default: 512)")
+    group.add_argument("--max-num-seqs", dest="max_num_seqs", type=_positive_int, default=64,
+                       help="most sequences in one step (default: 64)")
+    group.add_argument("--plan-addr", dest="plan_addr", default=None,
+                       help="ZeroMQ endpoint to pull step plans from (connect)")
+    group.add_argument("--result-addr", dest="result_addr", default=None,
+                       help="ZeroMQ endpoint to push results to (connect)")
+    group.add_argument("--threads", type=_positive_int, default=None,
+                       help="torch intra-op threads (default: torch's choice)")
+    group.add_argument("--max-model-len", dest="max_model_len", type=_positive_int, default=None,
+                       help="cap on context length (default: the model's)")

@@ -1,0 +1,89 @@
+"""The physical paged KV cache: sizing and the tensors themselves.
+
+The scheduler owns the logical cache (which block belongs to whom); the
+worker only allocates ``num_blocks`` blocks per layer and writes/reads them
+where the plan's block tables say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1024**3
+DEFAULT_CPU_CACHE_GIB = 2.0
+GPU_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Per-layer shape of the cache, minus the number of blocks."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self) -> int:
+        """K and V of one block in all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def num_blocks_for(
+    geometry: CacheGeometry,
+    device: torch.device,
+    *,
+    num_blocks: int | None,
+    kv_cache_gib: float | None,
+) -> int:
+    """How many blocks to allocate.
+
+    Exactly ``num_blocks`` if given; else as many as fit in ``kv_cache_gib``;
+    else 2 GiB on CPU, or 90% of the GPU memory still free (call this after
+    the model is loaded, so its weights are already counted as used).
+    """
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_gib is not None:
+        budget = int(kv_cache_gib * GIB)
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_MEMORY_FRACTION)
+    else:
+        budget = int(DEFAULT_CPU_CACHE_GIB * GIB)
+    blocks = budget // geometry.bytes_per_block()
+    if blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {geometry.bytes_per_block()} bytes"
+        )
+    return blocks
+
+
+class PagedKVCache:
+    """K and V for every layer, shaped (num_blocks, block_size, kvh, head_dim).
+
+    One allocation holds everything; ``layer(i)`` returns views into it.
+    """
+
+    def __init__(self, geometry: CacheGeometry, num_blocks: int, device: torch.device) -> None:
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        g = geometry
+        # (2, layers, num_blocks, block_size, kvh, d); zeroed so padding reads
+        # are finite (they are masked, but NaN * 0 would still be NaN).
+        self.tensor = torch.zeros(
+            (2, g.num_layers, num_blocks, g.block_size, g.num_kv_heads, g.head_dim),
+            dtype=g.dtype,
+            device=device,
+        )
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer."""
+        return self.tensor[0, index], self.tensor[1, index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()

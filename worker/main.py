@@ -1,0 +1,145 @@
+"""The worker process: receive step plans over ZeroMQ, send results back.
+
+Wire protocol (protos/jitney/engine/v1/engine.proto): the worker connects a
+PULL socket to ``plan_addr`` and a PUSH socket to ``result_addr``; it sends
+``WorkerMessage(ready)`` once the model and cache are up, then answers each
+``SchedulerMessage(plan)`` with a ``StepResult`` or a ``StepError``, until
+``Shutdown`` or SIGTERM. Messages are protobuf bytes, never pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import zmq
+from google.protobuf.message import DecodeError
+
+from client._generated.jitney.engine.v1 import engine_pb2
+from worker.config import WorkerConfig, add_worker_arguments
+from worker.plan import PlanError
+from worker.runner import ModelRunner
+
+logger = logging.getLogger("jitney.worker")
+
+# Plans arrive one step at a time; a small queue bounds memory if the
+# scheduler runs ahead, without ever blocking a normal exchange.
+SOCKET_HWM = 64
+
+
+class _Terminated(Exception):
+    """Raised from the SIGTERM handler to unwind the loop cleanly."""
+
+
+@contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    # signal handlers can only be set from the main thread (tests may run the
+    # loop in another one; there, SIGTERM keeps its default meaning).
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0)."""
+    if config.plan_addr is None or config.result_addr is None:
+        raise ValueError("plan_addr and result_addr must be set")
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    push = context.socket(zmq.PUSH)
+    try:
+        for sock, hwm in ((pull, zmq.RCVHWM), (push, zmq.SNDHWM)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(hwm, SOCKET_HWM)
+        pull.connect(config.plan_addr)
+        push.connect(config.result_addr)
+        with _sigterm_exits():
+            runner = ModelRunner(config)
+            _send(push, engine_pb2.WorkerMessage(ready=runner.ready_message()))
+            logger.info("ready: plans from %s, results to %s", config.plan_addr, config.result_addr)
+            return _serve(runner, pull, push)
+    except _Terminated:
+        logger.info("SIGTERM: exiting")
+        return 0
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        context.term()
+
+
+def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # type: ignore[type-arg]
+    while True:
+        data = pull.recv()
+        received = time.perf_counter()
+        try:
+            message = engine_pb2.SchedulerMessage.FromString(data)
+        except DecodeError as err:
+            _send_error(push, 0, f"undecodable scheduler message: {err}")
+            continue
+        kind = message.WhichOneof("kind")
+        if kind == "shutdown":
+            logger.info("shutdown requested")
+            return 0
+        if kind != "plan":
+            _send_error(push, 0, f"scheduler message without a known kind ({kind})")
+            continue
+        reply = _execute(runner, message.plan)
+        if reply.HasField("result"):
+            reply.result.forward_seconds = time.perf_counter() - received
+        _send(push, reply)
+
+
+def _execute(runner: ModelRunner, plan: engine_pb2.StepPlan) -> engine_pb2.WorkerMessage:
+    try:
+        return engine_pb2.WorkerMessage(result=runner.execute(plan))
+    except PlanError as err:
+        return _error(plan.step_id, f"bad plan: {err}")
+    except _Terminated:
+        raise
+    except Exception as err:  # a worker bug: report it, keep serving
+        logger.exception("step %d failed", plan.step_id)
+        return _error(plan.step_id, f"step failed: {type(err).__name__}: {err}")
+
+
+def _error(step_id: int, message: str) -> engine_pb2.WorkerMessage:
+    logger.error("step %d: %s", step_id, message)
+    return engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=step_id, message=message))
+
+
+def _send_error(push: zmq.Socket, step_id: int, message: str) -> None:  # type: ignore[type-arg]
+    _send(push, _error(step_id, message))
+
+
+def _send(push: zmq.Socket, message: engine_pb2.WorkerMessage) -> None:  # type: ignore[type-arg]
+    push.send(message.SerializeToString())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m worker.main --plan-addr ... --result-addr ...``."""
+    parser = argparse.ArgumentParser(prog="python -m worker.main", description="Jitney worker process")
+    add_worker_arguments(parser)
+    ns = parser.parse_args(argv)
+    if ns.plan_addr is None or ns.result_addr is None:
+        parser.error("--plan-addr and --result-addr are required")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_worker(WorkerConfig.from_namespace(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Jitney's Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
+
+Read top to bottom: config, RMSNorm, rotary embedding, attention over the
+paged cache, SwiGLU MLP, decoder layer, model. The forward pass takes the
+flattened tokens of a whole fused step; logits are computed separately and
+only at the positions that sample.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from worker.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (``rope_type`` "llama3" or "linear")."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 whatever the weight dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before the weight, as the reference models do.
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) in float32, on the CPU."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth
+    # blend in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the step's positions, computed on the fly (no cache)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (T, heads, d)`` by position, in the half-split layout of HF."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), *rope)  # (T, nh, d)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), *rope)  # (T, kvh, d)
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
+        backend.write_kv(k, v, kv[0], kv[1], meta)
+        out = backend.attend(q, kv[0], kv[1], meta, self.scale)  # (T, nh, d)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's ``model.``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole model. Build it on the meta device, then ``load_weights``."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backend = backend if backend is not None else TorchPagedAttention()
+        self.model = Decoder(cfg)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden) of the step's flattened tokens (T,).
+
+        Writes the tokens' K/V into ``kv_cache`` at ``meta.slot_mapping``.
+        """
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, kv_cache.layer(i), meta, self.backend)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
+        x = self.model.norm(hidden[sample_indices])
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        """Move weights from an HF-named ``state_dict`` into this model.
+
+        Tensors are popped from ``state_dict`` as they are used, so the two
+        never hold the whole model twice. Raises ``ValueError`` on a missing
+        tensor or a shape mismatch.
+        """
+        for name, param in list(self.named_parameters()):
+            parts = [state_dict.pop(src).to(device=device, dtype=dtype) for src in _hf_sources(name, state_dict)]
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            prefix, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(prefix), leaf, nn.Parameter(tensor, requires_grad=False))
+        self.rotary.to(device)
+        self.eval()
+
+
+# Fused parameters and the HF tensors they are stacked from (in this order).
+_FUSED: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _hf_sources(name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """The HF tensor names that make up parameter ``name``; all must exist."""
+    prefix, _, leaf = name.rpartition(".")
+    sources = [name]
+    for fused, parts in _FUSED.items():
+        if prefix.endswith(fused):
+            base = prefix[: -len(fused)]
+            sources = [f"{base}{part}.{leaf}" for part in parts]
+    missing = [s for s in sources if s not in state_dict]
+    if missing:
+        raise ValueError(f"checkpoint lacks {', '.join(missing)}")
+    return sources

@@ -1,0 +1,211 @@
+"""Token sampling for a batch of rows, on the model's device.
+
+Greedy (temperature 0) takes the argmax. Random sampling uses the
+exponential race (Gumbel-max): the token is ``argmax(logits / T + G)`` with
+Gumbel noise ``G = -log(-log(U))``, after top-k and top-p masking.
+
+Determinism: ``U`` comes from a counter-based hash of (seed, position,
+vocab index), not from a stateful generator. A row's draw therefore depends
+only on its own seed, the absolute position of the token being sampled and
+its logits: not on the other rows of the batch, nor on how often the
+sequence was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# murmur3 fmix32 constants, and the golden ratio to keep key 0 away from the
+# hash's fixed point at 0.
+_C1, _C2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
+# Top-k / top-p rows first look for their nucleus among this many tokens.
+DEFAULT_CANDIDATES = 256
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters, as (B,) tensors on the logits' device.
+
+    temperature: float32, 0 = greedy. top_p: float32 in (0, 1]. top_k:
+    int64, 0 = off. seed_lo / seed_hi: int64, the low and high 32 bits of
+    the row's 64-bit seed. position: int64, absolute position of the token
+    being sampled.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed_lo: torch.Tensor
+    seed_hi: torch.Tensor
+    position: torch.Tensor
+
+    @classmethod
+    def from_lists(
+        cls,
+        *,
+        temperature: list[float],
+        top_p: list[float],
+        top_k: list[int],
+        seed: list[int],
+        position: list[int],
+        device: torch.device,
+    ) -> SamplingBatch:
+        """Build from host lists; ``seed`` values are unsigned 64-bit ints."""
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            top_k=ints(top_k),
+            seed_lo=ints([s & _MASK32 for s in seed]),
+            seed_hi=ints([(s >> 32) & _MASK32 for s in seed]),
+            position=ints([p & _MASK32 for p in position]),
+        )
+
+    def rows(self, index: torch.Tensor) -> SamplingBatch:
+        """The subset of rows at ``index``."""
+        return SamplingBatch(
+            self.temperature[index], self.top_p[index], self.top_k[index],
+            self.seed_lo[index], self.seed_hi[index], self.position[index],
+        )
+
+
+def _mul32_(x: torch.Tensor, c: int, scratch: torch.Tensor) -> torch.Tensor:
+    """x = (x * c) mod 2**32 in place, for 0 <= x, c < 2**32.
+
+    Every intermediate stays < 2**63 (a plain int64 product could reach
+    2**64): c is split as high * 2**31 + low, x * low < 2**63, and
+    (x * 2**31) mod 2**32 only keeps x's lowest bit.
+    """
+    high, low = c >> 31, c & 0x7FFFFFFF
+    if high:
+        torch.bitwise_and(x, 1, out=scratch).bitwise_left_shift_(31)
+    x.mul_(low)
+    if high:
+        x.add_(scratch)
+    return x.bitwise_and_(_MASK32)
+
+
+def _fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser (a bijective avalanche mix), in place.
+
+    In place because this runs over (B, vocab) int64 tensors, where every
+    fresh allocation costs more than the arithmetic.
+    """
+    scratch = torch.empty_like(x)
+    for shift, constant in ((16, _C1), (13, _C2)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
+        _mul32_(x, constant, scratch)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
+def uniform_noise(
+    seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Uniforms in (0, 1), a pure function of (seed, position, token id).
+
+    seed_lo, seed_hi, position: (B,); token_ids: (V,) shared by all rows or
+    (B, K) per row. Returns (B, V) or (B, K).
+    """
+    key = _fmix32_(seed_lo ^ _GOLDEN)
+    key = _fmix32_(key ^ seed_hi)
+    key = _fmix32_(key ^ position)[:, None]  # (B, 1)
+    column = _fmix32_(token_ids + _GOLDEN)
+    bits = _fmix32_(key ^ (column if column.dim() == 2 else column[None, :]))
+    # 24 bits convert to float32 exactly; the half offset keeps 0 and 1 out.
+    return bits.bitwise_right_shift_(8).float().add_(0.5).mul_(1.0 / (1 << 24))
+
+
+def _gumbel(params: SamplingBatch, token_ids: torch.Tensor) -> torch.Tensor:
+    """-log(-log(U)), computed in place."""
+    u = uniform_noise(params.seed_lo, params.seed_hi, params.position, token_ids)
+    return u.log_().neg_().log_().neg_()
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingBatch, candidates: int = DEFAULT_CANDIDATES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    logits (B, V) float32. Returns token ids (B,) int64 and their logprobs
+    (B,) float32 under the raw (unscaled, unfiltered) distribution.
+    ``candidates`` only trades speed: any value gives the same tokens.
+    """
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    random = params.temperature > 0
+    filtered = random & ((params.top_k > 0) | (params.top_p < 1.0))
+    plain_rows = (random & ~filtered).nonzero().squeeze(-1)
+    if plain_rows.numel() > 0:
+        rows = params.rows(plain_rows)
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        noisy = _gumbel(rows, vocab).add_(logits[plain_rows] / rows.temperature[:, None])
+        tokens[plain_rows] = noisy.argmax(dim=-1)
+    filtered_rows = filtered.nonzero().squeeze(-1)
+    if filtered_rows.numel() > 0:
+        rows = params.rows(filtered_rows)
+        scaled = logits[filtered_rows] / rows.temperature[:, None]
+        tokens[filtered_rows] = _sample_filtered(scaled, rows, candidates)
+    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
+
+
+def _sample_filtered(scaled: torch.Tensor, params: SamplingBatch, candidates: int) -> torch.Tensor:
+    """Top-k / top-p rows: sample among the few most likely tokens.
+
+    A full sort of the vocabulary is slow; the top ``candidates`` tokens
+    usually hold the whole nucleus. Rows where they do not fall back to
+    the full sort, so the result never depends on ``candidates``.
+    """
+    k = min(candidates, scaled.shape[-1])
+    cand_logits, cand_ids = scaled.topk(k, dim=-1)  # (R, k), descending
+    keep, complete = nucleus(cand_logits, scaled.logsumexp(dim=-1), params.top_k, params.top_p)
+    tokens = _race(cand_logits, cand_ids, keep, params)
+    redo = (~complete).nonzero().squeeze(-1)
+    if redo.numel() > 0:
+        rows = params.rows(redo)
+        all_logits, all_ids = scaled[redo].sort(dim=-1, descending=True, stable=True)
+        keep, _ = nucleus(all_logits, scaled[redo].logsumexp(dim=-1), rows.top_k, rows.top_p)
+        tokens[redo] = _race(all_logits, all_ids, keep, rows)
+    return tokens
+
+
+def _race(logits: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """Exponential race among the kept candidates -> chosen token ids (R,)."""
+    scores = (logits + _gumbel(params, ids)).masked_fill(~keep, float("-inf"))
+    return ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def nucleus(
+    ordered: torch.Tensor, log_norm: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the K most likely tokens survive top-k then top-p.
+
+    ordered (R, K): the K largest scaled logits, descending. log_norm (R,):
+    logsumexp of the full row (used when top-k is off). top_k (R,), 0 = off;
+    top_p (R,) in (0, 1]. Returns keep (R, K) and complete (R,): whether the
+    decision is final, i.e. no token beyond the K could be kept.
+    """
+    width = ordered.shape[-1]
+    rank = torch.arange(width, device=ordered.device)[None, :]
+    in_k = (top_k[:, None] == 0) | (rank < top_k[:, None])  # (R, K)
+    k_inside = (top_k > 0) & (top_k <= width)
+    # Top-p renormalises over the top-k survivors (all among the K when
+    # k_inside), else over the whole vocabulary.
+    masked = ordered.masked_fill(~in_k, float("-inf"))
+    log_norm = torch.where(k_inside, masked.logsumexp(dim=-1), log_norm)
+    probs = (masked - log_norm[:, None]).exp()
+    # Mass strictly before a token already reaches top_p: it is in the tail.
+    # Rows with top_p >= 1 skip this, as rounding could cut their far tail.
+    before = probs.cumsum(dim=-1) - probs
+    keep = in_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    # Without a top-k inside the K, the nucleus is known only if the K hold
+    # top_p of the full distribution (a top-k beyond K renormalises over
+    # tokens not seen here: never complete).
+    complete = k_inside | ((top_k == 0) & (top_p < 1.0) & (probs.sum(dim=-1) >= top_p))
+    return keep, complete
