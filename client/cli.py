@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -64,12 +65,22 @@ def cmd_health(ns: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    bench = sub.add_parser("bench", help="replay a workload (JSONL) against a running server")
+    bench.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    bench.add_argument("--workload", type=Path, required=True, help="JSONL file, one request a line")
+    bench.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
+    bench.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jitney", description="Jitney: an in-flight batching LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _server_parsers(sub)
     _generate_parser(sub)
     _health_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
@@ -118,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(ns)
     if ns.command == "health":
         return cmd_health(ns)
+    if ns.command == "bench":
+        from client.bench import run_bench
+
+        return run_bench(ns.target, ns.workload, ns.json, ns.max_concurrency, not ns.no_progress)
     if ns.command in ("serve", "scheduler") and ns.max_num_batched_tokens < ns.max_num_seqs:
         parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
                      f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")

@@ -92,9 +92,12 @@ class ModelRunner:
         result = engine_pb2.StepResult(step_id=plan.step_id)
         if plan.chunks:
             batch = self._prepare(list(plan.chunks))
+            model_started = time.perf_counter()
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.cache)
             if batch.sampling is not None:
                 logits = self.model.compute_logits(hidden, batch.sample_indices)
+            result.model_seconds = time.perf_counter() - model_started
+            if batch.sampling is not None:
                 tokens, logprobs = sample(logits, batch.sampling)
                 result.seq_ids.extend(batch.sampled_seq_ids)
                 result.token_ids.extend(tokens.tolist())
