@@ -61,18 +61,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatPrompt
     sampling: SamplingParams
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("params",)
@@ -177,17 +179,21 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions")
+    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_blocks_total: int
     kv_blocks_used: int
     steps: int
     preemptions: int
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    worker_pid: int
+    worker_restarts: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ...) -> None: ...

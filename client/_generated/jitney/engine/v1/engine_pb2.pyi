@@ -120,12 +120,20 @@ class StepError(_message.Message):
     message: str
     def __init__(self, step_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ("worker_pid",)
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    worker_pid: int
+    def __init__(self, worker_pid: _Optional[int] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
-    __slots__ = ("ready", "result", "error")
+    __slots__ = ("ready", "result", "error", "heartbeat")
     READY_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     ready: Ready
     result: StepResult
     error: StepError
-    def __init__(self, ready: _Optional[_Union[Ready, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, ready: _Optional[_Union[Ready, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
