@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client._generated.jitney.engine.v1 import engine_pb2
+from scheduler.admission import AdmissionLimits
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.plan import to_step_plan
-from scheduler.request import FinishReason, Request
+from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from scheduler.trace import StepTracer
 from scheduler.validation import ValidatedRequest
 from scheduler.worker_link import WorkerLink, WorkerLinkError
 
@@ -64,6 +66,7 @@ class RequestHandle:
     detokenizer: IncrementalDetokenizer
     events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     done: bool = False
+    deadline_timer: asyncio.TimerHandle | None = None
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
         while True:
@@ -77,38 +80,63 @@ class Engine:
     """Owns the Scheduler and the worker link for one ready worker."""
 
     def __init__(self, config: SchedulerConfig, link: WorkerLink, tokenizer: Any,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], tracer: StepTracer | None = None,
+                 admission: AdmissionLimits | None = None) -> None:
         self.config = config
+        self.admission = admission or AdmissionLimits()
         self.scheduler = Scheduler(config, eos_token_ids=eos_token_ids)
         self._link = link
         self._tokenizer = tokenizer
         self._handles: dict[int, RequestHandle] = {}
         self._seq_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
+        self._tracer = tracer
         self._closed = False
         self.num_steps = 0
         self.num_preemptions = 0
 
     # -- called by the gRPC handlers -------------------------------------
-    def submit(self, validated: ValidatedRequest, priority: int = 0) -> RequestHandle:
+    def submit(self, validated: ValidatedRequest,
+               time_remaining: float | None = None) -> RequestHandle:
+        """Queue a request. Raises EngineUnavailableError (closed) or
+        QueueFullError (a queue bound); ``time_remaining`` is the call's
+        deadline in seconds from now (None: none), capped by the server's."""
         if self._closed:
             raise EngineUnavailableError("the engine is shutting down")
+        self.admission.check(self.scheduler.num_waiting, self._waiting_tokens(),
+                             len(validated.prompt_token_ids))
         req = Request(
             seq_id=next(self._seq_ids),
             prompt_token_ids=list(validated.prompt_token_ids),
             sampling=validated.sampling,
             arrival_time=time.monotonic(),
-            priority=priority,
+            priority=validated.priority,
         )
         detok = IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, validated.sampling.stop)
         handle = RequestHandle(validated.request_id, req, detok)
         self._handles[req.seq_id] = handle
         self.scheduler.add_request(req)
+        limit = self.admission.time_limit(time_remaining)
+        if limit is not None:
+            handle.deadline_timer = asyncio.get_running_loop().call_later(
+                max(0.0, limit), self._expire, handle)
         self._wakeup.set()
         return handle
 
+    def _waiting_tokens(self) -> int:
+        return sum(h.request.num_tokens for h in self._handles.values()
+                   if h.request.status is RequestStatus.WAITING)
+
+    def _expire(self, handle: RequestHandle) -> None:
+        """The request's deadline passed: free its blocks, end it."""
+        if not handle.done:
+            self._end_with_error(handle, "the request's deadline passed before it finished",
+                                 code="DEADLINE_EXCEEDED")
+
     def cancel(self, handle: RequestHandle, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early; its blocks are freed now, the worker forgets it next step."""
+        if handle.deadline_timer is not None:
+            handle.deadline_timer.cancel()
         if handle.done:
             return
         handle.done = True
@@ -131,11 +159,15 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            started = self._tracer.now() if self._tracer else 0.0
             try:
                 result = await self._link.step(to_step_plan(output))
             except WorkerLinkError as exc:
                 self._fail_step(output, str(exc))
                 continue
+            if self._tracer:
+                self._tracer.record(output, started, result.forward_seconds, result.model_seconds,
+                                    self.scheduler)
             self.num_steps += 1
             self.num_preemptions += len(output.preempted)
             updated = self.scheduler.update_from_output(
@@ -146,6 +178,8 @@ class Engine:
     def close(self, message: str) -> None:
         """End every request with ``message`` and stop the loop."""
         self._closed = True
+        if self._tracer is not None:
+            self._tracer.close()
         for handle in list(self._handles.values()):
             self._end_with_error(handle, message)
         self._wakeup.set()

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.model_files import load_tokenizer, resolve_model
 from scheduler.server import GenerationServicer, ServingState
+from scheduler.trace import StepTracer
 from scheduler.validation import ModelLimits
 from scheduler.worker_link import WorkerLink
 
@@ -45,11 +47,12 @@ class SchedulerProcessConfig:
     policy: str                  # continuous | static | sequential
     plan_addr: str               # ZeroMQ endpoint the scheduler binds for plans
     result_addr: str             # ZeroMQ endpoint the scheduler binds for results
+    trace: str | None = None     # write a JSONL step trace here (see scheduler/trace.py)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
         return cls(ns.model, ns.host, ns.port, ns.max_num_seqs, ns.max_num_batched_tokens,
-                   ns.policy, ns.plan_addr, ns.result_addr)
+                   ns.policy, ns.plan_addr, ns.result_addr, ns.trace)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: bool = True) -> None:
@@ -63,6 +66,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port")
     parser.add_argument("--policy", choices=["continuous", "static", "sequential"], default="continuous",
                         help="batching policy")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write a JSONL step trace (one line per step) for `jitney plot`")
     if with_shared:
         parser.add_argument("--plan-addr", default="tcp://0.0.0.0:5557", help="ZeroMQ endpoint to bind for step plans")
         parser.add_argument("--result-addr", default="tcp://0.0.0.0:5558", help="ZeroMQ endpoint to bind for step results")
@@ -144,7 +149,9 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
                           ready.num_blocks * ready.block_size),  # type: ignore[attr-defined]
         policy=cfg.policy,
     )
-    return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids))  # type: ignore[attr-defined]
+    tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
+    return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),  # type: ignore[attr-defined]
+                  tracer=tracer)
 
 
 async def _first(aw: object, stop: asyncio.Event) -> object | None:

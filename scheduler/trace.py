@@ -1,0 +1,64 @@
+"""The step trace (`jitney serve --trace FILE`): one JSON line per step.
+
+Fields of a line:
+
+    step            step id
+    t               seconds since the trace started, when the plan was sent
+    dur             seconds until its result was back (the step as the scheduler sees it)
+    worker_s        worker time from plan received to result sent
+    model_s         of which the model itself (forward + logits)
+    seats           seq ids in the batch, in plan order
+    prefill_tokens  tokens of chunks with more than one token, or not at the end (prompt work)
+    decode_tokens   tokens of one-token chunks that sample (generation work)
+    waiting         requests waiting after the step was planned
+    running         requests running after the step was planned
+    kv_blocks_used  KV blocks held by running requests
+
+`jitney plot` draws the seat chart from these files; the non-model cost of a
+step is ``dur - model_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from scheduler.scheduler import Scheduler, SchedulerOutput
+
+
+class StepTracer:
+    """Appends one line per step to a JSONL file."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: IO[str] = open(path, "w", buffering=1 << 16)
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def record(self, output: SchedulerOutput, started: float, worker_s: float, model_s: float,
+               scheduler: Scheduler) -> None:
+        decode = sum(1 for c in output.scheduled if c.num_new_tokens == 1 and c.sample)
+        line: dict[str, Any] = {
+            "step": output.step_id,
+            "t": round(started, 6),
+            "dur": round(self.now() - started, 6),
+            "worker_s": round(worker_s, 6),
+            "model_s": round(model_s, 6),
+            "seats": [c.request.seq_id for c in output.scheduled],
+            "prefill_tokens": output.num_batched_tokens - decode,
+            "decode_tokens": decode,
+            "waiting": scheduler.num_waiting,
+            "running": scheduler.num_running,
+            "kv_blocks_used": scheduler.block_manager.num_used_blocks,
+        }
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
