@@ -46,6 +46,11 @@ class SchedulerConfig:
     batch has finished (a batch is what boards in that one step).
     ``sequential``: one request at a time."""
 
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of common prompt prefixes between requests and keep
+    finished requests' full blocks cached until their space is needed
+    (``--no-prefix-cache`` turns it off). See ``block_manager.py``."""
+
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):

@@ -111,6 +111,7 @@ class Engine:
             sampling=validated.sampling,
             arrival_time=time.monotonic(),
             priority=validated.priority,
+            cache_salt=validated.cache_salt,
         )
         detok = IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, validated.sampling.stop)
         handle = RequestHandle(validated.request_id, req, detok)
@@ -208,6 +209,8 @@ class Engine:
 
     def _fail_step(self, output: Any, message: str) -> None:
         log.error("%s; ending the %d requests of that step", message, len(output.scheduled))
+        # Blocks registered for that step may never have been written.
+        self.scheduler.block_manager.reset_prefix_cache()
         for chunk in output.scheduled:
             handle = self._handles.get(chunk.request.seq_id)
             if handle is not None:

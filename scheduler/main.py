@@ -48,11 +48,13 @@ class SchedulerProcessConfig:
     plan_addr: str               # ZeroMQ endpoint the scheduler binds for plans
     result_addr: str             # ZeroMQ endpoint the scheduler binds for results
     trace: str | None = None     # write a JSONL step trace here (see scheduler/trace.py)
+    prefix_cache: bool = True    # share cached prompt prefixes (off: --no-prefix-cache)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
         return cls(ns.model, ns.host, ns.port, ns.max_num_seqs, ns.max_num_batched_tokens,
-                   ns.policy, ns.plan_addr, ns.result_addr, ns.trace)
+                   ns.policy, ns.plan_addr, ns.result_addr, ns.trace,
+                   not ns.no_prefix_cache)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: bool = True) -> None:
@@ -66,6 +68,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port")
     parser.add_argument("--policy", choices=["continuous", "static", "sequential"], default="continuous",
                         help="batching policy")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="turn off prefix caching (sharing the KV blocks of common prompt prefixes)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     if with_shared:
@@ -148,6 +152,7 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         max_model_len=min(ready.context_length,  # type: ignore[attr-defined]
                           ready.num_blocks * ready.block_size),  # type: ignore[attr-defined]
         policy=cfg.policy,
+        enable_prefix_caching=cfg.prefix_cache,
     )
     tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),  # type: ignore[attr-defined]

@@ -60,6 +60,10 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0         # prompt tokens served by the prefix cache
+                                       # at the first boarding (usage)
+    cache_salt: str = ""               # prefix-cache namespace ("" = shared)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of
+                                       # the first full blocks (block_manager.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,15 @@ are freed and it is recomputed later.
 
 ``num_computed_tokens`` advances when a chunk is scheduled, not when its
 result arrives, so the next step could be planned before that.
+
+Prefix cache: a boarding request (new, or resumed after preemption) attaches
+the longest cached prefix of its tokens in whole blocks and starts computing
+past it; its first chunk re-sends the whole table (cached blocks first).
+Blocks filled by this step's chunks are registered at the end of
+``schedule``, after every preemption of the step, so only chunks that really
+run register, and a block is attached at the earliest by the next step. The
+worker runs steps in order, so the K/V a hit reads were written by then (this
+holds also if step N+1 is planned while step N runs).
 """
 
 from __future__ import annotations
@@ -68,7 +77,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self._eos_token_ids = eos_token_ids
         self._waiting: list[Request] = []       # sorted by _queue_key
         self._running: list[Request] = []       # batch order (boarding order)
@@ -125,6 +135,8 @@ class Scheduler:
         if not output.preempted:   # boarding now would only thrash
             self._admit_waiting(output)
         output.freed_seq_ids, self._pending_freed = self._pending_freed, []
+        for chunk in output.scheduled:
+            self.block_manager.cache_full_blocks(chunk.request, chunk.start_position)
         return output
 
     def _budget_left(self, output: SchedulerOutput) -> int:
@@ -154,15 +166,24 @@ class Scheduler:
         seats = self._boarding_seats()
         while self._waiting and seats > 0 and self._budget_left(output) > 0:
             request = self._waiting[0]
-            num_new = min(_num_remaining(request), self._budget_left(output))
-            needed = self.block_manager.blocks_needed(request, num_new)
-            if not self.block_manager.can_allocate(needed):
+            cached = self.block_manager.find_cached_prefix(request)
+            num_cached = len(cached) * self.config.block_size
+            num_new = min(request.num_tokens - num_cached, self._budget_left(output))
+            if not self.block_manager.can_board(cached, num_cached + num_new):
                 break   # FCFS: nobody skips ahead
             self._waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            self._running.append(request)
+            self._board(request, cached)
             self._schedule_chunk(request, num_new, output)
             seats -= 1
+
+    def _board(self, request: Request, cached: list[int]) -> None:
+        """Seat a waiting request; it starts past its cached prefix."""
+        self.block_manager.attach_cached(request, cached)
+        request.num_computed_tokens = len(cached) * self.config.block_size
+        if request.num_preemptions == 0:    # usage reports the first boarding
+            request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
 
     def _boarding_seats(self) -> int:
         """Seats open to waiting requests under the policy."""
@@ -174,7 +195,8 @@ class Scheduler:
 
     def _schedule_chunk(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
         start = request.num_computed_tokens
-        table_len = len(request.block_ids)
+        # A sequence new to the worker gets its whole table, cached blocks too.
+        table_len = len(request.block_ids) if request.seq_id in self._on_worker else 0
         self.block_manager.allocate_for(request, num_new)
         if request.seq_id not in self._on_worker:
             self._on_worker.add(request.seq_id)
@@ -277,7 +299,7 @@ class Scheduler:
             "a running request's table does not match its progress")
         refs = Counter(b for r in self._running for b in r.block_ids)
         _check(all(self.block_manager.ref_count(b) == n for b, n in refs.items())
-               and sum(refs.values()) == self.block_manager.num_used_blocks,
+               and len(refs) == self.block_manager.num_used_blocks,
                "ref counts do not match the block tables")
 
 

@@ -141,6 +141,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             kv_blocks_used=sched.block_manager.num_used_blocks,
             steps=engine.num_steps,
             preemptions=engine.num_preemptions,
+            prefix_cache_queried_tokens=sched.block_manager.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=sched.block_manager.prefix_cache_hit_tokens,
         )
 
 

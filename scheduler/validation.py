@@ -14,6 +14,8 @@ Decisions:
   * Temperature above ``MAX_TEMPERATURE`` is rejected as a likely mistake.
   * A request id is at most 128 printable ASCII characters (it travels in
     logs and metadata); an empty one is replaced by a uuid4 hex.
+  * A cache salt is any string of at most 256 characters; it only names a
+    prefix-cache namespace (it is hashed, never logged).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ Tokenizer = Any
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_TEMPERATURE = 100.0
 MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
 
 
 class InvalidRequestError(ValueError):
@@ -62,6 +65,7 @@ class ValidatedRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
     request_id: str
+    cache_salt: str = ""              # prefix-cache namespace; "" = shared
 
 
 def validate_generation(
@@ -80,7 +84,8 @@ def validate_generation(
     prompt = render_prompt(params, tokenizer, limits, path="params")
     _check_prompt_fits(len(prompt), limits, f"params.{params.WhichOneof('prompt')}")
     sampling = _sampling(params.sampling, len(prompt), limits, new_seed)
-    return ValidatedRequest(tuple(prompt), sampling, request_id)
+    return ValidatedRequest(tuple(prompt), sampling, request_id,
+                            cache_salt=_cache_salt(params.cache_salt))
 
 
 def validate_tokenize(
@@ -295,3 +300,12 @@ def _request_id(request_id: str) -> str:
     if not all(" " <= c <= "~" for c in request_id):
         raise InvalidRequestError("params.request_id", "must be printable ASCII")
     return request_id
+
+
+def _cache_salt(salt: str) -> str:
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            "params.cache_salt",
+            f"has {len(salt)} characters, more than the limit {MAX_CACHE_SALT_CHARS}",
+        )
+    return salt

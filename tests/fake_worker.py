@@ -3,8 +3,11 @@
 It keeps a physical "KV cache" (one token id per slot), rebuilds each
 sequence's block table from the plan diffs, writes every computed position
 through that table and samples by reading the whole history back through it.
-A wrong table, a block shared by two live sequences, a position computed out
-of order or twice all either raise ``PlanError`` or change the output tokens.
+A wrong table, a write to a block another live sequence also holds (prefix
+sharing is read-only), a position computed out of order or twice all either
+raise ``PlanError`` or change the output tokens. A sequence's first chunk may
+start past 0 (a prefix-cache hit): it then reads positions other sequences
+wrote, so a wrong hit changes the output tokens.
 
     token sampled after position p = (sum(tokens[0..p]) * 31 + p + 1) % VOCAB
 """
@@ -51,7 +54,7 @@ class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.owner: dict[int, int] = {}          # block id -> seq_id
+        self.holders: dict[int, set[int]] = {}   # block id -> seq_ids holding it
         self.seqs: dict[int, _Sequence] = {}
         self.last_step_id = 0
 
@@ -79,18 +82,23 @@ class FakeWorker:
     def _free(self, seq_id: int) -> None:
         _require(seq_id in self.seqs, f"freeing unknown seq {seq_id}")
         for block_id in self.seqs.pop(seq_id).table:
-            del self.owner[block_id]
+            self.holders[block_id].remove(seq_id)
+            if not self.holders[block_id]:
+                del self.holders[block_id]
 
     def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
         _require(chunk.seq_id in self.seqs, f"chunk for unknown seq {chunk.seq_id}")
         seq = self.seqs[chunk.seq_id]
         for block_id in chunk.new_block_ids:
-            _require(block_id not in self.owner,
-                     f"block {block_id} given to seq {chunk.seq_id} "
-                     f"while seq {self.owner.get(block_id)} holds it")
-            self.owner[block_id] = chunk.seq_id
+            _require(block_id not in seq.table,
+                     f"block {block_id} twice in the table of seq {chunk.seq_id}")
+            self.holders.setdefault(block_id, set()).add(chunk.seq_id)
             seq.table.append(block_id)
         _require(len(chunk.token_ids) > 0, "empty chunk")
+        if seq.num_computed == 0:     # first chunk: may start after a cached prefix
+            _require(chunk.start_position % self.block_size == 0,
+                     f"seq {chunk.seq_id} starts mid-block at {chunk.start_position}")
+            seq.num_computed = chunk.start_position
         _require(chunk.start_position == seq.num_computed,
                  f"seq {chunk.seq_id}: chunk starts at {chunk.start_position}, "
                  f"computed {seq.num_computed}")
@@ -105,7 +113,11 @@ class FakeWorker:
     def _write(self, seq: _Sequence, position: int, token: int) -> None:
         block_index = position // self.block_size
         _require(block_index < len(seq.table), f"position {position} has no slot")
-        self.cache[seq.table[block_index]][position % self.block_size] = token
+        block_id = seq.table[block_index]
+        _require(len(self.holders[block_id]) == 1,
+                 f"position {position} written to block {block_id}, "
+                 f"shared by seqs {sorted(self.holders[block_id])}")
+        self.cache[block_id][position % self.block_size] = token
 
     def _read(self, seq: _Sequence) -> list[int]:
         history: list[int] = []

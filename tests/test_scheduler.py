@@ -17,12 +17,13 @@ from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 def make(block_size: int = 4, num_blocks: int = 64, max_model_len: int = 64,
          max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
-         policy: str = "continuous",
-         eos: frozenset[int] = frozenset()) -> tuple[Scheduler, FakeWorker]:
+         policy: str = "continuous", eos: frozenset[int] = frozenset(),
+         prefix_caching: bool = True) -> tuple[Scheduler, FakeWorker]:
     config = SchedulerConfig(block_size=block_size, num_blocks=num_blocks,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             policy=policy)  # type: ignore[arg-type]
+                             policy=policy,  # type: ignore[arg-type]
+                             enable_prefix_caching=prefix_caching)
     return Scheduler(config, eos_token_ids=eos), FakeWorker(num_blocks, block_size)
 
 
@@ -151,8 +152,9 @@ def test_budget_and_seats_hold_under_load() -> None:
 # -- preemption ----------------------------------------------------------------
 
 def test_preemption_evicts_latest_arrival_and_resumes_identically() -> None:
+    # Without the prefix cache b recomputes from 0 (see test_prefix_cache.py).
     s, w = make(block_size=2, num_blocks=4, max_model_len=8, max_num_seqs=2,
-                max_num_batched_tokens=8)
+                max_num_batched_tokens=8, prefix_caching=False)
     a = make_request(1, 3, max_tokens=5, ignore_eos=True)
     b = make_request(2, 3, max_tokens=5, ignore_eos=True)
     s.add_request(a)

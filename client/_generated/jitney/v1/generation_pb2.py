@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajitney/v1/generation.proto\x12\tjitney.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.jitney.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xe2\x01\n\x10GenerationParams\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.jitney.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.jitney.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\n \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_priority\"D\n\x15GenerateStreamRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\">\n\x0fGenerateRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb0\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\"Q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xed\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\"\x17\n\x15GetServerStatsRequest\"\xce\x01\n\x16GetServerStatsResponse\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x12\n\nworker_pid\x18\x14 \x01(\r\x12\x17\n\x0fworker_restarts\x18\x15 \x01(\r*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12!\n\x1d\x46INISH_REASON_END_OF_SEQUENCE\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\x9e\x03\n\x11GenerationService\x12W\n\x0eGenerateStream\x12 .jitney.v1.GenerateStreamRequest\x1a!.jitney.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Generate\x12\x1a.jitney.v1.GenerateRequest\x1a\x1b.jitney.v1.GenerateResponse\x12\x43\n\x08Tokenize\x12\x1a.jitney.v1.TokenizeRequest\x1a\x1b.jitney.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.jitney.v1.GetModelInfoRequest\x1a\x1f.jitney.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jitney.v1.GetServerStatsRequest\x1a!.jitney.v1.GetServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajitney/v1/generation.proto\x12\tjitney.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.jitney.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xf6\x01\n\x10GenerationParams\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.jitney.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.jitney.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x10 \x01(\tB\x08\n\x06promptB\x0b\n\t_priority\"D\n\x15GenerateStreamRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\">\n\x0fGenerateRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb0\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\"Q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xed\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\"\x17\n\x15GetServerStatsRequest\"\x94\x02\n\x16GetServerStatsResponse\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x12\n\nworker_pid\x18\x14 \x01(\r\x12\x17\n\x0fworker_restarts\x18\x15 \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x1e \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x1f \x01(\x04*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12!\n\x1d\x46INISH_REASON_END_OF_SEQUENCE\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\x9e\x03\n\x11GenerationService\x12W\n\x0eGenerateStream\x12 .jitney.v1.GenerateStreamRequest\x1a!.jitney.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Generate\x12\x1a.jitney.v1.GenerateRequest\x1a\x1b.jitney.v1.GenerateResponse\x12\x43\n\x08Tokenize\x12\x1a.jitney.v1.TokenizeRequest\x1a\x1b.jitney.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.jitney.v1.GetModelInfoRequest\x1a\x1f.jitney.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jitney.v1.GetServerStatsRequest\x1a!.jitney.v1.GetServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jitney.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1855
-  _globals['_FINISHREASON']._serialized_end=2028
+  _globals['_FINISHREASON']._serialized_start=1945
+  _globals['_FINISHREASON']._serialized_end=2118
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATPROMPT']._serialized_start=87
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=169
   _globals['_SAMPLINGPARAMS']._serialized_end=413
   _globals['_GENERATIONPARAMS']._serialized_start=416
-  _globals['_GENERATIONPARAMS']._serialized_end=642
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=644
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=712
-  _globals['_GENERATEREQUEST']._serialized_start=714
-  _globals['_GENERATEREQUEST']._serialized_end=776
-  _globals['_USAGE']._serialized_start=778
-  _globals['_USAGE']._serialized_end=865
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=868
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1044
-  _globals['_GENERATERESPONSE']._serialized_start=1047
-  _globals['_GENERATERESPONSE']._serialized_end=1217
-  _globals['_TOKENIZEREQUEST']._serialized_start=1219
-  _globals['_TOKENIZEREQUEST']._serialized_end=1300
-  _globals['_TOKENIZERESPONSE']._serialized_start=1302
-  _globals['_TOKENIZERESPONSE']._serialized_end=1355
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1357
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1378
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1381
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1618
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1620
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1643
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1646
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1852
-  _globals['_GENERATIONSERVICE']._serialized_start=2031
-  _globals['_GENERATIONSERVICE']._serialized_end=2445
+  _globals['_GENERATIONPARAMS']._serialized_end=662
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=664
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=732
+  _globals['_GENERATEREQUEST']._serialized_start=734
+  _globals['_GENERATEREQUEST']._serialized_end=796
+  _globals['_USAGE']._serialized_start=798
+  _globals['_USAGE']._serialized_end=885
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=888
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1064
+  _globals['_GENERATERESPONSE']._serialized_start=1067
+  _globals['_GENERATERESPONSE']._serialized_end=1237
+  _globals['_TOKENIZEREQUEST']._serialized_start=1239
+  _globals['_TOKENIZEREQUEST']._serialized_end=1320
+  _globals['_TOKENIZERESPONSE']._serialized_start=1322
+  _globals['_TOKENIZERESPONSE']._serialized_end=1375
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1377
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1398
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1401
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1638
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1640
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1663
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1666
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1942
+  _globals['_GENERATIONSERVICE']._serialized_start=2121
+  _globals['_GENERATIONSERVICE']._serialized_end=2535
 # @@protoc_insertion_point(module_scope)
