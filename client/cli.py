@@ -20,6 +20,9 @@ def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     serve = sub.add_parser("serve", help="run the scheduler and one worker (the usual way)")
     add_worker_arguments(serve)
     add_scheduler_arguments(serve, with_shared=False)
+    from scheduler.supervisor import add_supervisor_arguments
+
+    add_supervisor_arguments(serve)
     sched = sub.add_parser("scheduler", help="run the scheduler process alone (gRPC + scheduling)")
     add_scheduler_arguments(sched)
     work = sub.add_parser("worker", help="run the worker process alone (model + KV cache)")
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.supervisor import child_argv, supervise
 
     sub = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns))
+    return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
+                     max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ from grpc_reflection.v1alpha import reflection
 
 from client._generated.jitney.v1 import generation_pb2 as pb
 from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+from scheduler.admission import AdmissionLimits
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.model_files import load_tokenizer, resolve_model
 from scheduler.server import GenerationServicer, ServingState
+from scheduler.serving import Lifecycle, add_production_arguments, production_fields
 from scheduler.trace import StepTracer
 from scheduler.validation import ModelLimits
 from scheduler.worker_link import WorkerLink
@@ -49,12 +51,19 @@ class SchedulerProcessConfig:
     result_addr: str             # ZeroMQ endpoint the scheduler binds for results
     trace: str | None = None     # write a JSONL step trace here (see scheduler/trace.py)
     prefix_cache: bool = True    # share cached prompt prefixes (off: --no-prefix-cache)
+    max_queued_requests: int = 256       # waiting requests; beyond: RESOURCE_EXHAUSTED
+    max_queued_tokens: int = 262_144     # tokens of waiting requests; beyond: RESOURCE_EXHAUSTED
+    max_request_seconds: float | None = None  # server cap on a request's life (+ its deadline)
+    worker_timeout: float = 30.0         # a worker silent this long is lost
+    drain_seconds: float = 30.0          # SIGTERM: grace for running requests
+    metrics_port: int = 0                # Prometheus /metrics on host:port; 0 = off
+    log_prompts: bool = False            # put prompts in the per-request log line
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
         return cls(ns.model, ns.host, ns.port, ns.max_num_seqs, ns.max_num_batched_tokens,
                    ns.policy, ns.plan_addr, ns.result_addr, ns.trace,
-                   not ns.no_prefix_cache)
+                   not ns.no_prefix_cache, **production_fields(ns))
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: bool = True) -> None:
@@ -72,6 +81,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                         help="turn off prefix caching (sharing the KV blocks of common prompt prefixes)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
+    add_production_arguments(parser)
     if with_shared:
         parser.add_argument("--plan-addr", default="tcp://0.0.0.0:5557", help="ZeroMQ endpoint to bind for step plans")
         parser.add_argument("--result-addr", default="tcp://0.0.0.0:5558", help="ZeroMQ endpoint to bind for step results")
@@ -110,32 +120,21 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
     await server.start()
     print(f"jitney: gRPC listening on {address} (waiting for the worker)", flush=True)
 
-    link = WorkerLink(cfg.plan_addr, cfg.result_addr)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if cfg.metrics_port:
+        servicer.metrics.serve_http(cfg.host, cfg.metrics_port)
+        print(f"jitney: metrics on http://{cfg.host}:{cfg.metrics_port}/metrics", flush=True)
+    servicer.metrics.log_prompts = cfg.log_prompts
+    link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout)
     try:
         files = resolve_model(cfg.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, files)
-        ready = await _first(link.wait_ready(), stop)
-        if ready is None:
-            return 0
-        engine = _make_engine(cfg, link, tokenizer, ready)
-        limits = ModelLimits(vocab_size=ready.vocab_size,
-                             context_length=min(ready.context_length, ready.num_blocks * ready.block_size))
-        servicer.state = ServingState(engine, ready, limits, tokenizer)
-        await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-        print(f"jitney: ready on {address}: {ready.model_name} ({ready.dtype}, {ready.device}), "
-              f"{ready.num_blocks} KV blocks of {ready.block_size} tokens", flush=True)
-        engine_task = asyncio.create_task(engine.run())
-        await _first(engine_task, stop)
-        if engine_task.done() and engine_task.exception() is not None:
-            raise engine_task.exception()  # type: ignore[misc]
-        engine.close("the server is shutting down")
-        engine_task.cancel()
-        await link.send_shutdown()
-        return 0
+        life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
+                         lambda ready: _make_engine(cfg, link, tokenizer, ready), tokenizer,
+                         address, cfg.drain_seconds)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, life.stop.set)     # end now
+        loop.add_signal_handler(signal.SIGTERM, life.drain.set)   # drain, then end
+        return await life.run()
     finally:
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=1.0)
@@ -155,8 +154,10 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         enable_prefix_caching=cfg.prefix_cache,
     )
     tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
+    admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
+                                cfg.max_request_seconds)
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),  # type: ignore[attr-defined]
-                  tracer=tracer)
+                  tracer=tracer, admission=admission)
 
 
 async def _first(aw: object, stop: asyncio.Event) -> object | None:

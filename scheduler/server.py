@@ -16,7 +16,9 @@ import grpc
 from client._generated.jitney.engine.v1 import engine_pb2
 from client._generated.jitney.v1 import generation_pb2 as pb
 from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+from scheduler.admission import QueueFullError
 from scheduler.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
+from scheduler.metrics import Metrics, RequestRecord, request_log
 from scheduler.request import FinishReason
 from scheduler.validation import (
     InvalidRequestError,
@@ -50,49 +52,63 @@ def new_seed() -> int:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
         self.state: ServingState | None = None
+        self.metrics = metrics or Metrics(lambda: self.state.engine if self.state else None)
+        # While None: new requests are taken. Else why they get UNAVAILABLE
+        # (draining); with no state, the same or "not ready".
+        self.refusing: str | None = None
 
     async def _serving(self, context: grpc.aio.ServicerContext) -> ServingState:
         if self.state is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not ready yet")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                self.refusing or "the worker is not ready yet")
         assert self.state is not None
         return self.state
 
-    async def _submit(self, params: pb.GenerationParams,
-                      context: grpc.aio.ServicerContext) -> tuple[ServingState, RequestHandle]:
+    async def _submit(self, params: pb.GenerationParams, context: grpc.aio.ServicerContext
+                      ) -> tuple[ServingState, RequestHandle, RequestRecord]:
         state = await self._serving(context)
+        code, message = grpc.StatusCode.UNAVAILABLE, self.refusing
         try:
-            validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+            if message is None:
+                validated = validate_generation(params, state.tokenizer, state.limits,
+                                                new_seed=new_seed)
+                handle = state.engine.submit(validated, context.time_remaining())
+                record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
+                                            _prompt_for_log(params) if self.metrics.log_prompts else None)
+                return state, handle, record
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            return state, state.engine.submit(validated)
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except QueueFullError as exc:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except EngineUnavailableError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            message = str(exc)
+        self.metrics.request_failure.labels(code=code.name).inc()
+        request_log.info("request %s: rejected %s (%s)", params.request_id or "-", code.name, message)
+        await context.abort(code, message)
         raise AssertionError("unreachable")
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext):  # type: ignore[override]
-        state, handle = await self._submit(request.params, context)
+        state, handle, record = await self._submit(request.params, context)
         try:
             async for event in handle.stream():
-                if event.error is not None:
-                    await context.abort(grpc.StatusCode[event.error_code], event.error)
+                await _record(record, event, context)
                 yield _stream_response(handle.request_id, event)
         finally:
             # Runs on normal end, on error and when the client cancels or
             # disconnects (the handler task is cancelled): frees the blocks.
+            record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        state, handle = await self._submit(request.params, context)
+        state, handle, record = await self._submit(request.params, context)
         response = pb.GenerateResponse(request_id=handle.request_id)
         try:
             async for event in handle.stream():
-                if event.error is not None:
-                    await context.abort(grpc.StatusCode[event.error_code], event.error)
+                await _record(record, event, context)
                 response.text += event.text
                 response.token_ids.extend(event.token_ids)
                 response.logprobs.extend(event.logprobs)
@@ -100,6 +116,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     response.finish_reason = FINISH_REASONS[event.finish_reason]
                     response.usage.CopyFrom(_usage(event))
         finally:
+            record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
         return response
 
@@ -143,7 +160,29 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             preemptions=engine.num_preemptions,
             prefix_cache_queried_tokens=sched.block_manager.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=sched.block_manager.prefix_cache_hit_tokens,
+            worker_pid=self.state.ready.worker_pid if self.state else 0,
+            worker_restarts=self.metrics.state.worker_restarts,
         )
+
+
+async def _record(record: RequestRecord, event: StreamEvent,
+                  context: grpc.aio.ServicerContext) -> None:
+    """Feed ``event`` to the request's record; abort the call on an error event."""
+    if event.error is not None:
+        record.on_error(event.error_code, event.error)
+        await context.abort(grpc.StatusCode[event.error_code], event.error)
+    record.on_tokens(len(event.token_ids))
+    if event.finish_reason is not None:
+        record.on_finish(event.finish_reason.value)
+
+
+def _prompt_for_log(params: pb.GenerationParams) -> object:
+    kind = params.WhichOneof("prompt")
+    if kind == "text":
+        return params.text
+    if kind == "token_ids":
+        return list(params.token_ids.ids)
+    return [(m.role, m.content) for m in params.chat.messages]
 
 
 def _usage(event: StreamEvent) -> pb.Usage:

@@ -1,8 +1,17 @@
 """`jitney serve`: start the scheduler and one worker process, supervise both.
 
-The two talk over ipc:// sockets in a private temporary folder. SIGINT and
-SIGTERM are passed on to both; when either process exits, the other is
-stopped and `jitney serve` exits with the first one's status.
+The two talk over ipc:// sockets in a private temporary folder.
+
+    event                       what the supervisor does
+    worker exits (not asked)    start a new one after a backoff (0.5 s, 1 s,
+                                2 s ... up to 10 s); the scheduler has failed
+                                the worker's requests and waits for the new
+                                one's Ready. More than --max-worker-restarts
+                                restarts within 5 minutes: stop everything.
+    scheduler exits             stop the worker, exit with the scheduler's status
+    SIGTERM                     pass it to the scheduler only: it drains, tells
+                                the worker to shut down, and both exit 0
+    SIGINT                      pass it to both (they stop at once)
 """
 
 from __future__ import annotations
@@ -13,8 +22,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 STOP_GRACE_SECONDS = 10.0
+RESTART_WINDOW_SECONDS = 300.0
+MAX_BACKOFF_SECONDS = 10.0
+
+
+def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-worker-restarts", type=int, default=5,
+                        help="restarts of a dead worker allowed within 5 minutes before "
+                             "`jitney serve` gives up (default 5; 0 = never restart)")
 
 
 def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
@@ -34,51 +52,95 @@ def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[
     return argv
 
 
-def supervise(scheduler_argv: list[str], worker_argv: list[str]) -> int:
+@dataclass
+class _Supervisor:
+    scheduler_cmd: list[str]
+    worker_cmd: list[str]
+    max_worker_restarts: int
+    drain_seconds: float
+    scheduler: subprocess.Popen[bytes] = field(init=False)
+    worker: subprocess.Popen[bytes] | None = field(init=False, default=None)
+    stopping_since: float | None = None
+    restarts: list[float] = field(default_factory=list)   # times of recent restarts
+    restart_at: float | None = None
+
+    def run(self) -> int:
+        self.scheduler = subprocess.Popen(self.scheduler_cmd)
+        self.worker = subprocess.Popen(self.worker_cmd)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            while (code := self.scheduler.poll()) is None:
+                if not self._tend_worker():
+                    return 1
+                self._enforce_stop_deadline()
+                time.sleep(0.1)
+            return code if code >= 0 else 128 - code
+        finally:
+            self._stop_all()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+        # SIGTERM: the scheduler drains, then sends the worker Shutdown.
+        targets = [self.scheduler] + ([self.worker] if signum == signal.SIGINT and self.worker else [])
+        for proc in targets:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def _tend_worker(self) -> bool:
+        """Restart a dead worker when due; False once restarts are used up."""
+        now = time.monotonic()
+        if self.worker is not None:
+            code = self.worker.poll()
+            if code is None or self.stopping_since is not None:
+                return True
+            self.worker = None
+            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_SECONDS]
+            if len(self.restarts) >= self.max_worker_restarts:
+                print(f"jitney: the worker exited with status {code}, "
+                      f"{len(self.restarts)} restarts in {RESTART_WINDOW_SECONDS:g} s already; "
+                      "stopping", file=sys.stderr, flush=True)
+                return False
+            backoff = min(MAX_BACKOFF_SECONDS, 0.5 * 2 ** len(self.restarts))
+            print(f"jitney: the worker exited with status {code}; restarting it in {backoff:g} s",
+                  file=sys.stderr, flush=True)
+            self.restart_at = now + backoff
+        if self.restart_at is not None and now >= self.restart_at and self.stopping_since is None:
+            self.restarts.append(now)
+            self.restart_at = None
+            self.worker = subprocess.Popen(self.worker_cmd)
+        return True
+
+    def _enforce_stop_deadline(self) -> None:
+        """A scheduler that does not end its drain in time is stopped."""
+        if self.stopping_since is None:
+            return
+        if time.monotonic() - self.stopping_since > self.drain_seconds + STOP_GRACE_SECONDS:
+            print("jitney: the scheduler did not stop in time; killing it", file=sys.stderr, flush=True)
+            self.scheduler.kill()
+
+    def _stop_all(self) -> None:
+        procs = [p for p in (self.scheduler, self.worker) if p is not None]
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for proc in procs:   # the worker exits by itself after a drain's Shutdown
+            try:
+                proc.wait(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def supervise(scheduler_argv: list[str], worker_argv: list[str], *,
+              max_worker_restarts: int = 5, drain_seconds: float = 30.0) -> int:
     with tempfile.TemporaryDirectory(prefix="jitney-") as tmp:
         addrs = ["--plan-addr", f"ipc://{tmp}/plan", "--result-addr", f"ipc://{tmp}/result"]
         base = [sys.executable, "-m", "client.cli"]
-        procs = {
-            "scheduler": subprocess.Popen(base + ["scheduler", *scheduler_argv, *addrs]),
-            "worker": subprocess.Popen(base + ["worker", *worker_argv, *addrs]),
-        }
-        stopping = False
-
-        def forward(signum: int, _frame: object) -> None:
-            nonlocal stopping
-            stopping = True
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signum)
-
-        signal.signal(signal.SIGINT, forward)
-        signal.signal(signal.SIGTERM, forward)
-        name, code = _wait_first(procs)
-        if not stopping and code != 0:
-            print(f"jitney: the {name} process exited with status {code}; stopping", file=sys.stderr, flush=True)
-        _stop_all(procs)
-        return code if code >= 0 else 128 - code
-
-
-def _wait_first(procs: dict[str, subprocess.Popen[bytes]]) -> tuple[str, int]:
-    while True:
-        for name, proc in procs.items():
-            code = proc.poll()
-            if code is not None:
-                return name, code
-        time.sleep(0.1)
-
-
-def _stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
+        return _Supervisor(base + ["scheduler", *scheduler_argv, *addrs],
+                           base + ["worker", *worker_argv, *addrs],
+                           max_worker_restarts, drain_seconds).run()

@@ -36,6 +36,7 @@ CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_TEMPERATURE = 100.0
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 1000               # |priority| bound; higher boards first
 
 
 class InvalidRequestError(ValueError):
@@ -65,6 +66,7 @@ class ValidatedRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
     request_id: str
+    priority: int = 0
     cache_salt: str = ""              # prefix-cache namespace; "" = shared
 
 
@@ -84,8 +86,16 @@ def validate_generation(
     prompt = render_prompt(params, tokenizer, limits, path="params")
     _check_prompt_fits(len(prompt), limits, f"params.{params.WhichOneof('prompt')}")
     sampling = _sampling(params.sampling, len(prompt), limits, new_seed)
-    return ValidatedRequest(tuple(prompt), sampling, request_id,
+    return ValidatedRequest(tuple(prompt), sampling, request_id, _priority(params),
                             cache_salt=_cache_salt(params.cache_salt))
+
+
+def _priority(params: generation_pb2.GenerationParams) -> int:
+    p = params.priority if params.HasField("priority") else 0
+    if not -MAX_PRIORITY <= p <= MAX_PRIORITY:
+        raise InvalidRequestError(
+            "params.priority", f"must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {p}")
+    return p
 
 
 def validate_tokenize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,11 @@ logger = logging.getLogger("jitney.worker")
 # Plans arrive one step at a time; a small queue bounds memory if the
 # scheduler runs ahead, without ever blocking a normal exchange.
 SOCKET_HWM = 64
+# An idle worker says it is alive this often; the scheduler declares a
+# worker silent for its --worker-timeout (default 30 s) lost.
+HEARTBEAT_SECONDS = 1.0
+# Far above any real plan; a bigger frame is dropped before it is read.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
 class _Terminated(Exception):
@@ -67,6 +73,7 @@ def run_worker(config: WorkerConfig) -> int:
         for sock, hwm in ((pull, zmq.RCVHWM), (push, zmq.SNDHWM)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(hwm, SOCKET_HWM)
+        pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         pull.connect(config.plan_addr)
         push.connect(config.result_addr)
         with _sigterm_exits():
@@ -84,7 +91,11 @@ def run_worker(config: WorkerConfig) -> int:
 
 
 def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # type: ignore[type-arg]
+    heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=os.getpid()))
     while True:
+        if not pull.poll(int(HEARTBEAT_SECONDS * 1000)):
+            _send(push, heartbeat)
+            continue
         data = pull.recv()
         received = time.perf_counter()
         try:

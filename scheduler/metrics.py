@@ -1,0 +1,181 @@
+"""Prometheus metrics and the per-request log line of the scheduler process.
+
+Names follow vLLM's (``vllm:num_requests_running`` becomes
+``jitney:num_requests_running``) so existing dashboards carry over. Every
+metric lives in one ``CollectorRegistry`` per ``Metrics`` object, never the
+global one, so several servers can run in one test process.
+
+    kind        fed by
+    gauges      read from the serving Engine at scrape time (StateCollector)
+    counters    the engine's own counters, summed over the engines this
+                process has had (one per worker start), plus request ends
+    histograms  the gRPC handlers (time to first token, inter-token, e2e)
+                and the step loop (step duration, batch size)
+
+One line per request goes to the ``jitney.requests`` logger when it ends:
+id, tokens in/out, time to first token, total time, finish reason or error.
+The prompt text is logged only with ``--log-prompts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+request_log = logging.getLogger("jitney.requests")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                50.0, 60.0, 120.0, 240.0, 480.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class Metrics:
+    """The process's metrics; ``engine()`` returns the serving Engine or None."""
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("jitney:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("jitney:inter_token_latency_seconds", "Time between two tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jitney:e2e_request_latency_seconds", "Request latency, end to end.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.step_duration = Histogram("jitney:step_duration_seconds",
+                                       "Time of one engine step, plan sent to result back.",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("jitney:batch_size", "Sequences scheduled in one step.",
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("jitney:prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("jitney:generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.request_success = Counter("jitney:request_success", "Requests finished normally.",
+                                       ["finished_reason"], registry=r)
+        self.request_failure = Counter("jitney:request_failure",
+                                       "Requests ended by a gRPC error status.", ["code"],
+                                       registry=r)
+        self.state = StateCollector(engine)
+        r.register(self.state)
+        self.log_prompts = False
+
+    def serve_http(self, host: str, port: int) -> Any:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+    def track(self, request_id: str, prompt_tokens: int, prompt: object = None) -> "RequestRecord":
+        self.prompt_tokens.inc(prompt_tokens)
+        return RequestRecord(self, request_id, prompt_tokens,
+                             prompt if self.log_prompts else None)
+
+    def observe_step(self, seconds: float, batch_size: int) -> None:
+        self.step_duration.observe(seconds)
+        self.batch_size.observe(batch_size)
+
+
+class StateCollector(Collector):
+    """Gauges and engine counters, read from the serving Engine at scrape time."""
+
+    _COUNTERS = {  # metric -> (help, how to read it from an Engine)
+        "jitney:num_preemptions": ("Preemptions.", lambda e: e.num_preemptions),
+        "jitney:num_steps": ("Engine steps run.", lambda e: e.num_steps),
+        "jitney:prefix_cache_queries": (
+            "Prompt tokens looked up in the prefix cache.",
+            lambda e: getattr(e.scheduler.block_manager, "prefix_cache_queried_tokens", 0)),
+        "jitney:prefix_cache_hits": (
+            "Prompt tokens found in the prefix cache.",
+            lambda e: getattr(e.scheduler.block_manager, "prefix_cache_hit_tokens", 0)),
+    }
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self._engine = engine
+        self._retired = dict.fromkeys(self._COUNTERS, 0.0)   # of engines no longer serving
+        self.worker_restarts = 0
+
+    def retire(self, engine: Any) -> None:
+        """Keep the counters of an engine that stops serving (its worker was lost)."""
+        for name, (_, read) in self._COUNTERS.items():
+            self._retired[name] += read(engine)
+
+    def collect(self) -> Iterator[Any]:
+        engine = self._engine()
+        sched = engine.scheduler if engine is not None else None
+        yield _gauge("jitney:num_requests_running", "Requests holding a seat.",
+                     sched.num_running if sched else 0)
+        yield _gauge("jitney:num_requests_waiting", "Requests waiting for a seat.",
+                     sched.num_waiting if sched else 0)
+        usage = 0.0
+        if sched is not None:
+            bm = sched.block_manager
+            usage = bm.num_used_blocks / bm.num_blocks
+        yield _gauge("jitney:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", usage)
+        yield _gauge("jitney:worker_ready", "1 while a worker is serving.", int(engine is not None))
+        for name, (doc, read) in self._COUNTERS.items():
+            value = self._retired[name] + (read(engine) if engine is not None else 0)
+            yield CounterMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("jitney:worker_restarts", "Workers that replaced a lost one.",
+                                  value=self.worker_restarts)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class RequestRecord:
+    """Timing of one request as its gRPC handler sees it; ends in one log line."""
+
+    def __init__(self, metrics: Metrics, request_id: str, prompt_tokens: int,
+                 prompt: object) -> None:
+        self._metrics = metrics
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self._prompt = prompt
+        self._start = time.monotonic()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._ended = False
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+            self._metrics.ttft.observe(now - self._start)
+        elif self._last is not None:
+            self._metrics.itl.observe((now - self._last) / n)
+        self._last = now
+        self.completion_tokens += n
+        self._metrics.generation_tokens.inc(n)
+
+    def on_finish(self, reason: str) -> None:
+        if self._end():
+            self._metrics.request_success.labels(finished_reason=reason).inc()
+            self._metrics.e2e.observe(time.monotonic() - self._start)
+            self._log(f"finish={reason}")
+
+    def on_error(self, code: str, message: str) -> None:
+        if self._end():
+            self._metrics.request_failure.labels(code=code).inc()
+            self._log(f"error={code} ({message})")
+
+    def _end(self) -> bool:
+        ended, self._ended = self._ended, True
+        return not ended
+
+    def _log(self, outcome: str) -> None:
+        now = time.monotonic()
+        ttft = f"{self._first - self._start:.3f}s" if self._first is not None else "-"
+        prompt = f" prompt={self._prompt!r}" if self._prompt is not None else ""
+        request_log.info("request %s: tokens in=%d out=%d ttft=%s total=%.3fs %s%s",
+                         self.request_id, self.prompt_tokens, self.completion_tokens, ttft,
+                         now - self._start, outcome, prompt)
