@@ -4,7 +4,9 @@ After every operation: block manager and scheduler invariants, budget and
 seats (checked by drive_step), and the worker's live sequences agree with
 the scheduler's. At the end, with everything drained: no block leaked, and
 every request not cut short finished by LENGTH with exactly the tokens of an
-uncontended run (preemption and recompute change nothing).
+uncontended run (preemption, recompute and prefix-cache hits change nothing).
+Prompts often start with one of a few shared prefixes, and configs run with
+the prefix cache on or off.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from scheduler.request import FinishReason, Request
 from scheduler.scheduler import Scheduler
 
 EOS = frozenset(range(0, 1000, 7))   # every request ignores it
+PREFIXES = ((5, 6, 7, 8, 9, 10, 11, 12), (5, 6, 7, 8, 40, 41, 42, 43), (13, 14, 15, 16))
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Add:
     prompt: tuple[int, ...]
     max_tokens: int
     priority: int
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,15 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_seqs + draw(st.integers(0, 12)),
         policy=draw(st.sampled_from(["continuous", "continuous", "static", "sequential"])),
+        enable_prefix_caching=draw(st.sampled_from([True, True, False])),
     )
 
 
-adds = st.builds(Add, st.lists(st.integers(0, 999), min_size=1, max_size=12).map(tuple),
-                 st.integers(1, 10), st.integers(0, 2))
+random_prompts = st.lists(st.integers(0, 999), min_size=1, max_size=12).map(tuple)
+shared_prompts = st.builds(lambda prefix, n, tail: prefix[:n] + tail, st.sampled_from(PREFIXES),
+                           st.integers(1, 8), st.lists(st.integers(0, 999), max_size=6).map(tuple))
+adds = st.builds(Add, st.one_of(random_prompts, shared_prompts, shared_prompts),
+                 st.integers(1, 10), st.integers(0, 2), st.sampled_from(["", "", "", "t"]))
 operations = st.lists(st.one_of(
     adds, adds, st.just(Step()), st.just(Step()),
     st.builds(Cut, st.integers(0, 100), st.booleans()),
@@ -90,6 +98,7 @@ class Harness:
         max_tokens = min(op.max_tokens, limit - len(prompt))
         request = make_request(len(self.requests), prompt, max_tokens=max_tokens,
                                priority=op.priority, ignore_eos=True)
+        request.cache_salt = op.cache_salt
         self.scheduler.add_request(request)
         self.requests.append(request)
 
@@ -117,7 +126,9 @@ class Harness:
             self.apply(Step())
         assert not self.scheduler.has_work(), "scheduler did not drain"
         assert self.scheduler.block_manager.num_used_blocks == 0
-        assert self.worker.seqs == {}
+        assert self.worker.seqs == {} and self.worker.holders == {}
+        if any(r.num_cached_tokens for r in self.requests):
+            event("prefix-cache hit")
         for r in self.requests:
             assert r.is_finished
             if r.seq_id not in self.cut:

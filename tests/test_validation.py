@@ -78,6 +78,7 @@ ERRORS: dict[str, tuple[dict[str, Any], str]] = {
     "request id too long": ({"text": "hi", "request_id": "r" * 129}, "params.request_id"),
     "request id control char": ({"text": "hi", "request_id": "a\nb"}, "params.request_id"),
     "request id not ascii": ({"text": "hi", "request_id": "réq"}, "params.request_id"),
+    "cache salt too long": ({"text": "hi", "cache_salt": "s" * 257}, "params.cache_salt"),
 }
 
 
@@ -128,6 +129,12 @@ def test_request_ids_are_unique_or_echoed(tok: Any) -> None:
     a, b = (validate(tok, pb.GenerationParams(text="hi")).request_id for _ in range(2))
     assert a != b
     assert validate(tok, pb.GenerationParams(text="hi", request_id="my-id 7")).request_id == "my-id 7"
+
+
+def test_cache_salt_is_carried(tok: Any) -> None:
+    assert validate(tok, pb.GenerationParams(text="hi")).cache_salt == ""
+    salt = "tenant-é" * 32                      # 256 characters, any text
+    assert validate(tok, pb.GenerationParams(text="hi", cache_salt=salt)).cache_salt == salt
 
 
 def test_token_ids_pass_through(tok: Any) -> None:
