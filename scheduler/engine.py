@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.plan import to_step_plan
 from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.trace import StepTracer
 from scheduler.validation import ValidatedRequest
 from scheduler.worker_link import WorkerLink, WorkerLinkError
@@ -81,8 +82,9 @@ class Engine:
 
     def __init__(self, config: SchedulerConfig, link: WorkerLink, tokenizer: Any,
                  eos_token_ids: frozenset[int], tracer: StepTracer | None = None,
-                 admission: AdmissionLimits | None = None) -> None:
+                 admission: AdmissionLimits | None = None, pipeline_depth: int = 2) -> None:
         self.config = config
+        self.pipeline_depth = pipeline_depth   # plans in flight at once (1 = no overlap)
         self.admission = admission or AdmissionLimits()
         self.scheduler = Scheduler(config, eos_token_ids=eos_token_ids)
         self._link = link
@@ -151,30 +153,49 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------
     async def run(self) -> None:
-        """Step until closed. Raises WorkerLinkError when the worker fails."""
+        """Step until closed.
+
+        Up to ``pipeline_depth`` plans are in flight: step N+1 is planned and
+        sent while the worker runs step N, so the worker never waits for a
+        plan. Its decodes use the tokens step N is still sampling (the worker
+        fills them in); a request that step N finishes is learnt of one step
+        late and its extra token is dropped. Raises WorkerLostError when the
+        worker is gone.
+        """
+        in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         while not self._closed:
-            output = self.scheduler.schedule()
-            if output.is_empty and not output.freed_seq_ids:
-                if self.scheduler.has_work():
-                    log.error("requests are waiting but none can be scheduled")
-                self._wakeup.clear()
-                await self._wakeup.wait()
+            if len(in_flight) < self.pipeline_depth:
+                output = self.scheduler.schedule()
+                if not output.is_empty:
+                    started = self._tracer.now() if self._tracer else 0.0
+                    await self._link.send_plan(to_step_plan(output))
+                    in_flight.append((output, started))
+                    continue
+            if in_flight:
+                output, started = in_flight.popleft()
+                try:
+                    result = await self._link.receive_result(output.step_id)
+                except WorkerLinkError as exc:
+                    self._fail_step(output, str(exc))
+                    continue
+                self._apply(output, result, started)
                 continue
-            started = self._tracer.now() if self._tracer else 0.0
-            try:
-                result = await self._link.step(to_step_plan(output))
-            except WorkerLinkError as exc:
-                self._fail_step(output, str(exc))
-                continue
-            if self._tracer:
-                self._tracer.record(output, started, result.forward_seconds, result.model_seconds,
-                                    self.scheduler)
-            self.num_steps += 1
-            self.num_preemptions += len(output.preempted)
-            updated = self.scheduler.update_from_output(
-                output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
-            for req in updated:
-                self._emit(req)
+            if self.scheduler.has_work():
+                log.error("requests are waiting but none can be scheduled")
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def _apply(self, output: SchedulerOutput, result: engine_pb2.StepResult, started: float) -> None:
+        """Hand a step's sampled tokens to the scheduler and the streams."""
+        if self._tracer:
+            self._tracer.record(output, started, result.forward_seconds, result.model_seconds,
+                                self.scheduler)
+        self.num_steps += 1
+        self.num_preemptions += len(output.preempted)
+        updated = self.scheduler.update_from_output(
+            output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        for req in updated:
+            self._emit(req)
 
     def close(self, message: str) -> None:
         """End every request with ``message`` and stop the loop."""

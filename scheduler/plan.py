@@ -46,4 +46,5 @@ def _chunk(chunk: ScheduledChunk) -> engine_pb2.ScheduledChunk:
         token_ids=chunk.token_ids,
         new_block_ids=chunk.new_block_ids,
         sample=chunk.sample,
+        last_token_from_sample=chunk.last_token_from_sample,
     )

@@ -59,6 +59,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Tokens sampled by steps still running on the worker (the scheduler plans
+    # step N+1 while step N runs): position num_tokens + i holds the i-th.
+    num_pending_samples: int = 0
     num_cached_tokens: int = 0         # prompt tokens served by the prefix cache
                                        # at the first boarding (usage)
     cache_salt: str = ""               # prefix-cache namespace ("" = shared)

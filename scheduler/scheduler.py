@@ -47,6 +47,9 @@ class ScheduledChunk:
     token_ids: list[int]       # all_token_ids[start:start + n]
     new_block_ids: list[int]   # appended to the block table this step
     sample: bool               # the chunk reaches num_tokens: sample one
+    # Its last token is still being sampled by the step before (not in
+    # token_ids): the worker fills it in.
+    last_token_from_sample: bool = False
 
 
 @dataclass
@@ -148,9 +151,17 @@ class Scheduler:
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue    # preempted earlier in this step
-            num_new = min(_num_remaining(request), self._budget_left(output))
+            num_new = min(self._num_schedulable(request), self._budget_left(output))
             if num_new > 0 and self._make_room(request, num_new, output):
                 self._schedule_chunk(request, num_new, output)
+
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens ``request`` can compute now; none once its pending samples end it."""
+        pending = request.num_pending_samples
+        if pending and (request.num_output_tokens + pending >= request.sampling.max_tokens
+                        or request.num_tokens + pending >= self.config.max_model_len):
+            return 0
+        return _num_remaining(request)
 
     def _make_room(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Preempt until ``request``'s blocks fit; False if it was the victim."""
@@ -166,6 +177,8 @@ class Scheduler:
         seats = self._boarding_seats()
         while self._waiting and seats > 0 and self._budget_left(output) > 0:
             request = self._waiting[0]
+            if request.num_pending_samples:
+                break   # preempted with a sample in flight: board once it is in
             cached = self.block_manager.find_cached_prefix(request)
             num_cached = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(output))
@@ -202,11 +215,15 @@ class Scheduler:
             self._on_worker.add(request.seq_id)
             output.new_seqs.append(request)
         request.num_computed_tokens += num_new
+        # [start, num_tokens) known ids; [num_tokens, +pending) still sampling
+        placeholder = start + num_new > request.num_tokens
+        sample = request.num_computed_tokens == request.num_tokens + request.num_pending_samples
         output.scheduled.append(ScheduledChunk(
             request=request, start_position=start, num_new_tokens=num_new,
-            token_ids=_token_slice(request, start, num_new),
+            token_ids=_token_slice(request, start, num_new - placeholder),
             new_block_ids=request.block_ids[table_len:],
-            sample=request.num_computed_tokens == request.num_tokens))
+            sample=sample, last_token_from_sample=placeholder))
+        request.num_pending_samples += sample
         output.num_batched_tokens += num_new
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
@@ -225,6 +242,7 @@ class Scheduler:
         if chunk is not None:
             output.scheduled.remove(chunk)
             output.num_batched_tokens -= chunk.num_new_tokens
+            request.num_pending_samples -= chunk.sample
         if request in output.new_seqs:     # the worker never heard of it
             output.new_seqs.remove(request)
             self._on_worker.discard(request.seq_id)
@@ -244,8 +262,9 @@ class Scheduler:
             raise ValueError(f"step {output.step_id}: result does not match the plan")
         updated: list[Request] = []
         for request, token_id, logprob in zip(sampled, token_ids, logprobs):
+            request.num_pending_samples -= 1
             if request.is_finished:
-                continue
+                continue    # finished a step late: this extra token is dropped
             request.output_token_ids.append(token_id)
             request.output_logprobs.append(logprob)
             reason = self._finish_reason(request, token_id)
@@ -304,7 +323,7 @@ class Scheduler:
 
 
 def _num_remaining(request: Request) -> int:
-    return request.num_tokens - request.num_computed_tokens
+    return request.num_tokens + request.num_pending_samples - request.num_computed_tokens
 
 
 def _token_slice(request: Request, start: int, n: int) -> list[int]:

@@ -46,6 +46,7 @@ class _Sequence:
     sampling: engine_pb2.SamplingConfig
     table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    last_sampled: int | None = None
 
 
 class FakeWorker:
@@ -94,7 +95,11 @@ class FakeWorker:
                      f"block {block_id} twice in the table of seq {chunk.seq_id}")
             self.holders.setdefault(block_id, set()).add(chunk.seq_id)
             seq.table.append(block_id)
-        _require(len(chunk.token_ids) > 0, "empty chunk")
+        tokens = list(chunk.token_ids)
+        if chunk.last_token_from_sample:
+            _require(seq.last_sampled is not None, f"seq {chunk.seq_id}: no sample to fill in")
+            tokens.append(seq.last_sampled)  # type: ignore[arg-type]
+        _require(len(tokens) > 0, "empty chunk")
         if seq.num_computed == 0:     # first chunk: may start after a cached prefix
             _require(chunk.start_position % self.block_size == 0,
                      f"seq {chunk.seq_id} starts mid-block at {chunk.start_position}")
@@ -102,13 +107,16 @@ class FakeWorker:
         _require(chunk.start_position == seq.num_computed,
                  f"seq {chunk.seq_id}: chunk starts at {chunk.start_position}, "
                  f"computed {seq.num_computed}")
-        for i, token in enumerate(chunk.token_ids):
+        for i, token in enumerate(tokens):
             self._write(seq, chunk.start_position + i, token)
-        seq.num_computed += len(chunk.token_ids)
+        seq.num_computed += len(tokens)
         _require(len(seq.table) == -(-seq.num_computed // self.block_size),
                  f"seq {chunk.seq_id}: table of {len(seq.table)} blocks "
                  f"for {seq.num_computed} positions")
-        return expected_token(self._read(seq)) if chunk.sample else None
+        if not chunk.sample:
+            return None
+        seq.last_sampled = expected_token(self._read(seq))
+        return seq.last_sampled
 
     def _write(self, seq: _Sequence, position: int, token: int) -> None:
         block_index = position // self.block_size
@@ -153,7 +161,7 @@ def check_step_limits(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert len(output.scheduled) <= config.max_num_seqs
     assert scheduler.num_running <= config.max_num_seqs
     for chunk in output.scheduled:
-        assert chunk.num_new_tokens == len(chunk.token_ids) > 0
+        assert chunk.num_new_tokens == len(chunk.token_ids) + chunk.last_token_from_sample > 0
 
 
 def drive_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, list[Request]]:
@@ -175,4 +183,27 @@ def run_until_idle(scheduler: Scheduler, worker: FakeWorker,
     while scheduler.has_work():
         assert len(outputs) < max_steps, "scheduler did not drain"
         outputs.append(drive_step(scheduler, worker)[0])
+    return outputs
+
+
+def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int = 2,
+                  max_steps: int = 10_000) -> list[SchedulerOutput]:
+    """Like ``run_until_idle``, but plan up to ``depth`` steps ahead of the
+    results, as the engine does (the worker still runs plans in order)."""
+    in_flight: list[tuple[SchedulerOutput, engine_pb2.StepResult]] = []
+    outputs: list[SchedulerOutput] = []
+    while scheduler.has_work() or in_flight:
+        assert len(outputs) < max_steps, "scheduler did not drain"
+        if len(in_flight) < depth:
+            output = scheduler.schedule()
+            check_step_limits(scheduler, output)
+            if not output.is_empty:
+                in_flight.append((output, worker.execute(to_step_plan(output))))
+                outputs.append(output)
+                continue
+        assert in_flight, "work left but nothing scheduled and nothing in flight"
+        output, result = in_flight.pop(0)
+        scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids),
+                                     list(result.logprobs))
+        scheduler.check_invariants()
     return outputs

@@ -38,6 +38,16 @@ class SequenceState:
     top_k: int
     seed: int
     block_table: list[int] = field(default_factory=list)
+    last_sampled: int | None = None   # the token sampled in this sequence's latest step
+
+
+def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> list[int]:
+    """The token ids a chunk computes, its sampled placeholder filled in."""
+    tokens = list(chunk.token_ids)
+    if chunk.last_token_from_sample:
+        assert state.last_sampled is not None  # checked by validate_plan
+        tokens.append(state.last_sampled)
+    return tokens
 
 
 def sequence_state(seq: engine_pb2.NewSequence) -> SequenceState:
@@ -57,7 +67,7 @@ def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState], 
     prefix = f"step {plan.step_id}: "
     try:
         table_lens = _check_diffs(plan, seqs)
-        _check_chunks(plan, table_lens, limits)
+        _check_chunks(plan, table_lens, limits, seqs)
     except PlanError as err:
         raise PlanError(prefix + str(err)) from None
 
@@ -80,10 +90,17 @@ def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState]) -
     return table_lens
 
 
-def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits: PlanLimits) -> None:
+def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits: PlanLimits,
+                  seqs: Mapping[int, SequenceState]) -> None:
     if len(plan.chunks) > limits.max_num_seqs:
         raise PlanError(f"{len(plan.chunks)} chunks exceed max_num_seqs {limits.max_num_seqs}")
-    total = sum(len(c.token_ids) for c in plan.chunks)
+    new_ids = {n.seq_id for n in plan.new_sequences}
+    for chunk in plan.chunks:
+        if chunk.last_token_from_sample and (
+                chunk.seq_id in new_ids or chunk.seq_id not in seqs
+                or seqs[chunk.seq_id].last_sampled is None):
+            raise PlanError(f"seq {chunk.seq_id}: last_token_from_sample but nothing was sampled for it")
+    total = sum(len(c.token_ids) + c.last_token_from_sample for c in plan.chunks)
     if total > limits.max_num_batched_tokens:
         raise PlanError(f"{total} tokens exceed max_num_batched_tokens {limits.max_num_batched_tokens}")
     seen: set[int] = set()
@@ -98,14 +115,15 @@ def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits:
 
 def _check_chunk(chunk: engine_pb2.ScheduledChunk, table_len: int, limits: PlanLimits) -> None:
     sid = chunk.seq_id
-    if not chunk.token_ids:
+    num_tokens = len(chunk.token_ids) + chunk.last_token_from_sample
+    if not num_tokens:
         raise PlanError(f"seq {sid}: chunk has no token_ids")
-    if max(chunk.token_ids) >= limits.vocab_size:
+    if chunk.token_ids and max(chunk.token_ids) >= limits.vocab_size:
         raise PlanError(f"seq {sid}: token id {max(chunk.token_ids)} outside vocab of {limits.vocab_size}")
     bad = [b for b in chunk.new_block_ids if b >= limits.num_blocks]
     if bad:
         raise PlanError(f"seq {sid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})")
-    end = chunk.start_position + len(chunk.token_ids)
+    end = chunk.start_position + num_tokens
     if end > limits.context_length:
         raise PlanError(f"seq {sid}: positions up to {end} exceed context length {limits.context_length}")
     capacity = (table_len + len(chunk.new_block_ids)) * limits.block_size

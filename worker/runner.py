@@ -16,11 +16,13 @@ import torch
 
 from client._generated.jitney.engine.v1 import engine_pb2
 from worker.attention import AttentionMetadata
+from worker.backends import make_attention_backend
 from worker.config import WorkerConfig
+from worker.cuda_graphs import make_cuda_steps
 from worker.device import dtype_name, resolve_device, resolve_dtype
 from worker.kv_cache import CacheGeometry, PagedKVCache, num_blocks_for
 from worker.loader import load_model
-from worker.plan import PlanLimits, SequenceState, apply_plan_diffs, validate_plan
+from worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
 from worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger("jitney.worker")
@@ -48,6 +50,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        self.model.backend = make_attention_backend(config.attention_backend, self.device)
         cfg = self.model.config
         geometry = CacheGeometry(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_blocks = num_blocks_for(
@@ -63,6 +66,10 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
         )
         self.sequences: dict[int, SequenceState] = {}
+        # CUDA only (None on CPU): decode steps replay CUDA graphs, sampling never syncs.
+        self.cuda_steps = make_cuda_steps(
+            self.model, self.cache, max_num_seqs=config.max_num_seqs, context_length=self.facts.context_length
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks, config.block_size, self.cache.nbytes / 2**30, dtype_name(self.dtype),
@@ -90,7 +97,9 @@ class ModelRunner:
         validate_plan(plan, self.sequences, self.limits)
         apply_plan_diffs(plan, self.sequences)
         result = engine_pb2.StepResult(step_id=plan.step_id)
-        if plan.chunks:
+        if plan.chunks and self.cuda_steps is not None:
+            self.cuda_steps.execute(self._prepare(list(plan.chunks)), self.sequences, result)
+        elif plan.chunks:
             batch = self._prepare(list(plan.chunks))
             model_started = time.perf_counter()
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.cache)
@@ -99,26 +108,30 @@ class ModelRunner:
             result.model_seconds = time.perf_counter() - model_started
             if batch.sampling is not None:
                 tokens, logprobs = sample(logits, batch.sampling)
+                sampled_tokens = tokens.tolist()
+                for seq_id, token in zip(batch.sampled_seq_ids, sampled_tokens):
+                    self.sequences[seq_id].last_sampled = token
                 result.seq_ids.extend(batch.sampled_seq_ids)
-                result.token_ids.extend(tokens.tolist())
+                result.token_ids.extend(sampled_tokens)
                 result.logprobs.extend(logprobs.tolist())
         result.forward_seconds = time.perf_counter() - started
         return result
 
     def _prepare(self, chunks: list[engine_pb2.ScheduledChunk]) -> StepBatch:
         # Decodes (one-token chunks) first: the attention backend batches them.
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        tokens = [chunk_tokens(c, self.sequences[c.seq_id]) for c in chunks]
+        order = sorted(range(len(chunks)), key=lambda i: len(tokens[i]) != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         last_token: dict[int, int] = {}  # plan index -> flat row of its last token
         for i in order:
-            chunk = chunks[i]
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
+            start = chunks[i].start_position
+            input_ids.extend(tokens[i])
+            positions.extend(range(start, start + len(tokens[i])))
             last_token[i] = len(input_ids) - 1
         meta = AttentionMetadata.build(
-            query_lens=[len(chunks[i].token_ids) for i in order],
-            seq_lens=[chunks[i].start_position + len(chunks[i].token_ids) for i in order],
+            query_lens=[len(tokens[i]) for i in order],
+            seq_lens=[chunks[i].start_position + len(tokens[i]) for i in order],
             block_tables=[self.sequences[chunks[i].seq_id].block_table for i in order],
             block_size=self.limits.block_size,
             device=self.device,
@@ -141,6 +154,6 @@ class ModelRunner:
             top_k=[s.top_k for s in states],
             seed=[s.seed for s in states],
             # The token sampled after a chunk lands at the position after it.
-            position=[c.start_position + len(c.token_ids) for c in chunks],
+            position=[c.start_position + len(c.token_ids) + c.last_token_from_sample for c in chunks],
             device=self.device,
         )

@@ -35,18 +35,20 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
-    __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample")
+    __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    last_token_from_sample: bool
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks")
