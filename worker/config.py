@@ -17,6 +17,8 @@ Device = Literal["cpu", "cuda"]
 
 DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
+AttentionBackendName = Literal["auto", "torch", "triton"]
+ATTENTION_BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class WorkerConfig:
       threads: torch intra-op threads; ``None`` keeps torch's default.
       max_model_len: cap on the context length (prompt + output tokens);
         ``None`` means the model's own limit.
+      attention_backend: ``auto`` (Triton kernels on CUDA, torch on CPU),
+        ``torch`` or ``triton`` (on CPU only under ``TRITON_INTERPRET=1``).
     """
 
     model: str | None = None
@@ -61,6 +65,7 @@ class WorkerConfig:
     result_addr: str | None = None
     threads: int | None = None
     max_model_len: int | None = None
+    attention_backend: AttentionBackendName = "auto"
 
     def __post_init__(self) -> None:
         # Guards programmatic construction; the CLI reports the same errors
@@ -69,6 +74,10 @@ class WorkerConfig:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES}, got {self.attention_backend!r}"
+            )
         if self.num_blocks is not None and self.kv_cache_gib is not None:
             raise ValueError("num_blocks and kv_cache_gib are mutually exclusive")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -153,3 +162,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch intra-op threads (default: torch's choice)")
     group.add_argument("--max-model-len", dest="max_model_len", type=_positive_int, default=None,
                        help="cap on context length (default: the model's)")
+    group.add_argument("--attention-backend", dest="attention_backend", choices=ATTENTION_BACKEND_CHOICES,
+                       default="auto",
+                       help="auto: Triton kernels on CUDA, torch on CPU; triton on CPU needs "
+                            "TRITON_INTERPRET=1 (default: auto)")

@@ -1,0 +1,124 @@
+"""The worker with the Triton backend (interpreted on CPU) vs the torch backend.
+
+Also the CUDA step's padding and sync-free sampling, with the graphs
+emulated (``DecodeGraphs(capture=False)`` runs the padded forward eagerly),
+and the backend choice.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from client._generated.jitney.engine.v1 import engine_pb2 as pb  # noqa: E402
+from tests.tiny_models import make_tiny_llama  # noqa: E402
+from worker.backends import BackendUnavailableError, resolve_backend_name  # noqa: E402
+from worker.config import WorkerConfig  # noqa: E402
+from worker.cuda_graphs import CudaSteps, DecodeGraphs, capture_sizes  # noqa: E402
+from worker.runner import ModelRunner  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPTS = {1: [5, 17, 42, 99, 3, 250, 7, 8, 11, 60, 61], 2: [300, 2, 19, 77, 140], 3: list(range(30, 53))}
+SAMPLING = {1: pb.SamplingConfig(), 2: pb.SamplingConfig(temperature=0.8, seed=3),
+            3: pb.SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, seed=4)}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> WorkerConfig:
+    path = make_tiny_llama(tmp_path_factory.mktemp("triton") / "tiny")
+    return WorkerConfig(model=str(path), dtype="float32", device=DEVICE, block_size=4, num_blocks=64,
+                        max_num_batched_tokens=64, max_num_seqs=8, attention_backend="torch")
+
+
+def generate(runner: ModelRunner, steps: int = 6) -> list[tuple[list[int], list[float]]]:
+    """Prefill 1 and 2 (2 in two chunks), 3 joins mid-way; decode all. Per step: (ids, logprobs)."""
+    tokens = {sid: list(p) for sid, p in PROMPTS.items()}
+    computed, blocks, free = dict.fromkeys(PROMPTS, 0), {sid: [] for sid in PROMPTS}, list(range(63, -1, -1))
+    out = []
+    for step in range(steps):
+        plan = pb.StepPlan(step_id=step)
+        active = [1, 2] if step < 2 else [1, 2, 3]
+        for sid in active:
+            if computed[sid] == 0 and (sid != 2 or step == 0):
+                plan.new_sequences.add(seq_id=sid, sampling=SAMPLING[sid])
+            n = 3 if (sid == 2 and step == 0) else len(tokens[sid]) - computed[sid]
+            need = -(-(computed[sid] + n) // 4) - len(blocks[sid])
+            new = [free.pop() for _ in range(need)]
+            blocks[sid] += new
+            plan.chunks.add(seq_id=sid, start_position=computed[sid], new_block_ids=new,
+                            token_ids=tokens[sid][computed[sid] : computed[sid] + n],
+                            sample=computed[sid] + n == len(tokens[sid]))
+            computed[sid] += n
+        result = runner.execute(plan)
+        for sid, token in zip(result.seq_ids, result.token_ids):
+            tokens[sid].append(token)
+        out.append((list(result.token_ids), list(result.logprobs)))
+    return out
+
+
+def assert_same_run(got: list, want: list) -> None:
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(got, want, strict=True):
+        assert ids == want_ids
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def torch_run(config: WorkerConfig) -> list:
+    return generate(ModelRunner(config))
+
+
+def test_triton_backend_matches_torch_backend(config: WorkerConfig, torch_run: list) -> None:
+    runner = ModelRunner(replace(config, attention_backend="triton"))
+    assert type(runner.model.backend).__name__ == "TritonPagedAttention"
+    assert_same_run(generate(runner), torch_run)
+
+
+def test_cuda_step_padding_and_sync_free_sampling(config: WorkerConfig, torch_run: list) -> None:
+    """Decode steps of 3 sequences padded to the captured size 4 (graphs emulated on CPU)."""
+    runner = ModelRunner(replace(config, attention_backend="triton"))
+    graphs = DecodeGraphs(runner.model, runner.cache, [1, 4], max_blocks=64, capture=DEVICE == "cuda")
+    runner.cuda_steps = CudaSteps(runner.model, runner.cache, graphs)
+    padded = []
+    logits = graphs.logits
+    graphs.logits = lambda step: padded.append(step.meta.num_seqs) or logits(step)  # type: ignore[method-assign]
+    assert_same_run(generate(runner), torch_run)
+    assert padded == [3, 3, 3]  # the decode-only steps took the graph path
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend_name("auto", cpu) == "torch"
+    assert resolve_backend_name("auto", cuda) == "triton"
+    assert resolve_backend_name("torch", cuda) == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        resolve_backend_name("triton", cpu)
+    with pytest.raises(ValueError, match="attention_backend"):
+        WorkerConfig(attention_backend="flash")  # type: ignore[arg-type]
+
+
+def test_attention_backend_flag() -> None:
+    import argparse
+
+    from worker.config import add_worker_arguments
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    assert WorkerConfig.from_namespace(parser.parse_args([])).attention_backend == "auto"
+    assert WorkerConfig.from_namespace(parser.parse_args(["--attention-backend", "triton"])).attention_backend == "triton"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "flash"])
+
