@@ -198,11 +198,13 @@ class BlockManager:
         """Register the blocks that positions ``[first_position,
         num_computed_tokens)`` filled (only blocks whose tokens are all known).
 
-        A prefix already cached in another block (two requests computed it
-        at once) keeps that block; this one stays unkeyed.
+        The block before ``first_position`` is checked again: when steps
+        overlap, its last token may have been a placeholder last time. A
+        prefix already cached in another block (two requests computed it at
+        once) keeps that block; this one stays unkeyed.
         """
         end = min(request.num_computed_tokens, request.num_tokens) // self._block_size
-        begin = first_position // self._block_size
+        begin = max(0, first_position // self._block_size - 1)
         if not self._enabled or begin >= end:
             return
         tokens = request.all_token_ids

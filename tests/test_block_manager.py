@@ -302,3 +302,19 @@ def test_check_invariants_catches_cache_corruption() -> None:
     bm._keys[1] = b"stray"                              # keyed but not indexed
     with pytest.raises(AssertionError):
         bm.check_invariants()
+
+
+def test_a_block_whose_last_token_was_pending_is_cached_a_step_later() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    r = make_request(1, [1, 2, 3])
+    compute(bm, r)                                       # block 0 cached, block 1 half full
+    bm.allocate_for(r, 1)
+    r.num_computed_tokens = 4                            # position 3: a sample not yet known
+    bm.cache_full_blocks(r, 3)
+    assert [bm.is_cached(b) for b in (0, 1)] == [True, False]
+    r.output_token_ids.append(9)                         # the sample arrives
+    bm.allocate_for(r, 1)
+    r.num_computed_tokens = 5                            # the next decode, at position 4
+    bm.cache_full_blocks(r, 4)
+    assert [bm.is_cached(b) for b in (0, 1, 2)] == [True, True, False]
+    assert bm.find_cached_prefix(make_request(2, [1, 2, 3, 9, 7])) == [0, 1]
