@@ -10,7 +10,7 @@ from __future__ import annotations
 from fake_worker import FakeWorker, drive_step, make_request, reference_output, run_until_idle
 from scheduler.config import SchedulerConfig
 from scheduler.request import FinishReason, Request
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 SYSTEM = [(7 * i) % 97 + 3 for i in range(13)]      # a shared 13-token "system prompt"
 
@@ -25,7 +25,7 @@ def make(prefix_caching: bool = True, block_size: int = 4, num_blocks: int = 64,
     return Scheduler(config), FakeWorker(num_blocks, block_size)
 
 
-def chunk_of(output: SchedulerOutput, request: Request):  # type: ignore[no-untyped-def]
+def chunk_of(output: SchedulerOutput, request: Request) -> ScheduledChunk | None:
     return next((c for c in output.scheduled if c.request is request), None)
 
 
