@@ -77,6 +77,14 @@ def _bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _plot_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    plot = sub.add_parser("plot", help="draw the seat chart of step traces (serve --trace)")
+    plot.add_argument("traces", nargs="+", type=Path, help="trace files (JSONL), one column each")
+    plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    plot.add_argument("--title", action="append", default=None,
+                      help="column title (repeat once per trace; default: file names)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jitney", description="Jitney: an in-flight batching LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _health_parser(sub)
     _bench_parser(sub)
+    _plot_parser(sub)
     return parser
 
 
@@ -132,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(ns)
     if ns.command == "health":
         return cmd_health(ns)
+    if ns.command == "plot":
+        from client.plot import plot
+
+        if ns.title is not None and len(ns.title) != len(ns.traces):
+            parser.error("give --title once per trace, or not at all")
+        plot(ns.traces, ns.output, ns.title)
+        return 0
     if ns.command == "bench":
         from client.bench import run_bench
 

@@ -33,9 +33,11 @@ class StepTracer:
 
     def __init__(self, path: Path) -> None:
         self._file: IO[str] = open(path, "w", buffering=1 << 16)
-        self._t0 = time.perf_counter()
+        self._t0: float | None = None     # the first step's start
 
     def now(self) -> float:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
         return time.perf_counter() - self._t0
 
     def record(self, output: SchedulerOutput, started: float, worker_s: float, model_s: float,
