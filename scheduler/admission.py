@@ -40,7 +40,8 @@ class AdmissionLimits:
             raise QueueFullError(
                 f"the server is overloaded: {num_waiting} requests are waiting "
                 f"(limit --max-queued-requests {self.max_queued_requests}); retry later")
-        if waiting_tokens + new_tokens > self.max_queued_tokens:
+        # An empty queue takes any request: the bound must not refuse one outright.
+        if num_waiting and waiting_tokens + new_tokens > self.max_queued_tokens:
             raise QueueFullError(
                 f"the server is overloaded: {waiting_tokens} prompt tokens are waiting and this "
                 f"request adds {new_tokens} (limit --max-queued-tokens {self.max_queued_tokens}); "
