@@ -13,7 +13,7 @@ import itertools
 from collections import deque
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +96,8 @@ class Engine:
         self._closed = False
         self.num_steps = 0
         self.num_preemptions = 0
+        # Called after each step with (worker seconds, sequences scheduled): metrics.
+        self.on_step: Callable[[float, int], None] | None = None
 
     # -- called by the gRPC handlers -------------------------------------
     def submit(self, validated: ValidatedRequest,
@@ -192,10 +194,27 @@ class Engine:
                                 self.scheduler)
         self.num_steps += 1
         self.num_preemptions += len(output.preempted)
-        updated = self.scheduler.update_from_output(
-            output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        if self.on_step is not None:
+            self.on_step(result.forward_seconds, len(output.scheduled))
+        try:   # checks the whole result before it changes anything
+            updated = self.scheduler.update_from_output(
+                output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        except ValueError as exc:
+            self._fail_step(output, f"the worker's result of step {output.step_id} is unusable: {exc}")
+            return
         for req in updated:
+            self._emit_guarded(req)
+
+    def _emit_guarded(self, req: Request) -> None:
+        """``_emit``, but a failure ends that one request (INTERNAL), not the loop."""
+        try:
             self._emit(req)
+        except Exception:
+            log.exception("handling the result of request seq %d failed; ending it", req.seq_id)
+            handle = self._handles.get(req.seq_id)
+            if handle is not None:
+                self._end_with_error(handle, "internal error while handling this request's output",
+                                     code="INTERNAL")
 
     def close(self, message: str) -> None:
         """End every request with ``message`` and stop the loop."""

@@ -70,6 +70,7 @@ class Lifecycle:
 
     async def _start_serving(self, ready: engine_pb2.Ready) -> Engine:
         engine = self.make_engine(ready)
+        engine.on_step = self.servicer.metrics.observe_step
         limits = ModelLimits(vocab_size=ready.vocab_size,
                              context_length=min(ready.context_length,
                                                 ready.num_blocks * ready.block_size))
