@@ -1,4 +1,4 @@
-"""Property test: random add / step / abort / finish against the fake worker.
+"""Property test: random add / step / abort / finish / preempt against the fake worker.
 
 After every operation: block manager and scheduler invariants, budget and
 seats (checked by drive_step), and the worker's live sequences agree with
@@ -20,7 +20,7 @@ from fake_worker import FakeWorker, drive_step, make_request, reference_output
 from scheduler.block_manager import cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.request import FinishReason, Request
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerOutput
 
 EOS = frozenset(range(0, 1000, 7))   # every request ignores it
 PREFIXES = ((5, 6, 7, 8, 9, 10, 11, 12), (5, 6, 7, 8, 40, 41, 42, 43), (13, 14, 15, 16))
@@ -43,6 +43,11 @@ class Step:
 class Cut:
     index: int           # into the requests added so far
     abort: bool          # abort_request, else finish_request (a stop string)
+
+
+@dataclass(frozen=True)
+class Preempt:
+    index: int           # into the running requests: force its preemption between steps
 
 
 @st.composite
@@ -69,6 +74,7 @@ adds = st.builds(Add, st.one_of(random_prompts, shared_prompts, shared_prompts),
 operations = st.lists(st.one_of(
     adds, adds, st.just(Step()), st.just(Step()),
     st.builds(Cut, st.integers(0, 100), st.booleans()),
+    st.builds(Preempt, st.integers(0, 100)),
 ), min_size=1, max_size=60)
 
 
@@ -81,9 +87,11 @@ class Harness:
         self.requests: list[Request] = []
         self.cut: set[int] = set()
 
-    def apply(self, op: Add | Step | Cut) -> None:
+    def apply(self, op: Add | Step | Cut | Preempt) -> None:
         if isinstance(op, Add):
             self._add(op)
+        elif isinstance(op, Preempt):
+            self._preempt(op.index)
         elif isinstance(op, Step):
             output, _ = drive_step(self.scheduler, self.worker)
             if output.preempted:
@@ -91,6 +99,15 @@ class Harness:
         elif self.requests:
             self._cut(self.requests[op.index % len(self.requests)], op.abort)
         self.check()
+
+    def _preempt(self, index: int) -> None:
+        """Preempt a running request as a full cache would (between steps)."""
+        running = self.scheduler._running
+        if running:
+            victim = running[index % len(running)]
+            self.scheduler._preempt(victim, SchedulerOutput(step_id=0))
+            assert victim.block_ids == [] and victim.num_computed_tokens == 0
+            event("forced preemption")
 
     def _add(self, op: Add) -> None:
         limit = self.scheduler.config.max_model_len
@@ -140,7 +157,7 @@ class Harness:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), first=st.lists(adds, min_size=2, max_size=8), ops=operations)
 def test_random_operations_keep_invariants_and_outputs(
-        config: SchedulerConfig, first: list[Add], ops: list[Add | Step | Cut]) -> None:
+        config: SchedulerConfig, first: list[Add], ops: list[Add | Step | Cut | Preempt]) -> None:
     harness = Harness(config)
     for op in [*first, *ops]:
         harness.apply(op)
