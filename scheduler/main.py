@@ -125,15 +125,16 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
         print(f"jitney: metrics on http://{cfg.host}:{cfg.metrics_port}/metrics", flush=True)
     servicer.metrics.log_prompts = cfg.log_prompts
     link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout)
+    stop, drain = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)     # end now
+    loop.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
     try:
         files = resolve_model(cfg.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, files)
         life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
                          lambda ready: _make_engine(cfg, link, tokenizer, ready), tokenizer,
-                         address, cfg.drain_seconds)
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGINT, life.stop.set)     # end now
-        loop.add_signal_handler(signal.SIGTERM, life.drain.set)   # drain, then end
+                         address, cfg.drain_seconds, stop, drain)
         return await life.run()
     finally:
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -46,12 +46,8 @@ class Lifecycle:
     tokenizer: Any
     address: str
     drain_seconds: float
-    stop: asyncio.Event = None  # type: ignore[assignment]   # SIGINT: end now
-    drain: asyncio.Event = None  # type: ignore[assignment]  # SIGTERM: drain, then end
-
-    def __post_init__(self) -> None:
-        self.stop = self.stop or asyncio.Event()
-        self.drain = self.drain or asyncio.Event()
+    stop: asyncio.Event = field(default_factory=asyncio.Event)    # SIGINT: end now
+    drain: asyncio.Event = field(default_factory=asyncio.Event)   # SIGTERM: drain, then end
 
     async def run(self) -> int:
         """Serve worker after worker until stopped or drained; the exit code."""
