@@ -40,6 +40,9 @@ class AttentionMetadata:
       query_start_loc_host, seq_lens_host: the same values as Python ints,
         so the prefill path slices without device syncs.
       block_size: tokens per cache block.
+      decode_groups: the decodes split into contiguous runs attended one
+        call each, so a short sequence is not padded to the batch's longest
+        (see ``plan_decode_groups``); built once per step, used by every layer.
     """
 
     slot_mapping: torch.Tensor
@@ -50,6 +53,7 @@ class AttentionMetadata:
     query_start_loc_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
     block_size: int
+    decode_groups: tuple[DecodeGroup, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -87,16 +91,78 @@ class AttentionMetadata:
         def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        tables = tensor(padded).view(len(seq_lens), width)
+        lens = tensor(seq_lens)
         return cls(
             slot_mapping=tensor(slots),
             query_start_loc=tensor(starts),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(padded).view(len(seq_lens), width),
+            seq_lens=lens,
+            block_tables=tables,
             num_decodes=num_decodes,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
             block_size=block_size,
+            decode_groups=tuple(
+                DecodeGroup.build(start, end, seq_lens, tables, lens, block_size)
+                for start, end in plan_decode_groups(seq_lens[:num_decodes], block_size)),
         )
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes ``[start, end)`` attended in one call, padded to ``max_len``.
+
+    tables: (n, ceil(max_len / block_size)) block ids; mask: (n, 1, 1,
+    max_len) bool, True where a key is inside the sequence (it broadcasts
+    over every query head).
+    """
+
+    start: int
+    end: int
+    max_len: int
+    tables: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, start: int, end: int, seq_lens: list[int], tables: torch.Tensor,
+              lens: torch.Tensor, block_size: int) -> DecodeGroup:
+        max_len = max(seq_lens[start:end])
+        positions = torch.arange(max_len, device=lens.device)
+        mask = positions[None, :] < lens[start:end, None]  # (n, max_len)
+        return cls(start, end, max_len, tables[start:end, : math.ceil(max_len / block_size)],
+                   mask[:, None, None, :])
+
+
+# Cost of one more attention call per layer, in padded key slots (measured on
+# a 2-core CPU: a call costs about as much as ~500 slots of gather + attention).
+GROUP_COST_SLOTS = 512
+
+
+def plan_decode_groups(seq_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split decodes into contiguous runs minimising padded slots + calls.
+
+    Exact dynamic programme over the given order (the runner sorts decodes
+    by length, which makes contiguous runs the right shape); n <= max seats.
+    """
+    n = len(seq_lens)
+    if n == 0:
+        return []
+    padded = [math.ceil(s / block_size) * block_size for s in seq_lens]
+    best = [0.0] + [math.inf] * n     # best[j]: cost of decodes [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = 0
+        for i in range(j - 1, -1, -1):   # last group is [i, j)
+            longest = max(longest, padded[i])
+            cost = best[i] + (j - i) * longest + GROUP_COST_SLOTS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    j = n
+    while j > 0:
+        groups.append((cut[j], j))
+        j = cut[j]
+    return groups[::-1]
 
 
 def _slot_mapping(
@@ -164,6 +230,18 @@ def gqa_attention(
     return out.view(b, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(b, tq, nh, d)
 
 
+def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence: query (n, nh, d), key/value (n, L, kvh, d),
+    mask (n, 1, 1, L) -> (n, nh, d). The g query heads of a kv head are its rows."""
+    n, nh, d = query.shape
+    kvh = key.shape[2]
+    q = query.view(n, kvh, nh // kvh, d)                       # (n, kvh, g, d)
+    out = F.scaled_dot_product_attention(q, key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)  # (n, kvh, g, d)
+    return out.reshape(n, nh, d)
+
+
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """cache (num_blocks, bs, kvh, d), tables (B, n) -> (B, n * bs, kvh, d).
 
@@ -219,15 +297,13 @@ class TorchPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        n = query.shape[0]
-        max_len = max(meta.seq_lens_host[:n])
-        tables = meta.block_tables[:n, : math.ceil(max_len / meta.block_size)]
-        key = _gather_blocks(k_cache, tables)[:, :max_len]  # (B, max_len, kvh, d)
-        value = _gather_blocks(v_cache, tables)[:, :max_len]
-        positions = torch.arange(max_len, device=query.device)
-        mask = positions[None, :] < meta.seq_lens[:n, None]  # (B, max_len)
-        out = gqa_attention(query.unsqueeze(1), key, value, mask.unsqueeze(1), scale)
-        return out.squeeze(1)  # (B, nh, d)
+        out = torch.empty_like(query)
+        for group in meta.decode_groups:
+            q = query[group.start:group.end]
+            key = _gather_blocks(k_cache, group.tables)[:, :group.max_len]  # (n, L, kvh, d)
+            value = _gather_blocks(v_cache, group.tables)[:, :group.max_len]
+            out[group.start:group.end] = _decode_attention(q, key, value, group.mask, scale)
+        return out  # (B, nh, d)
 
     def _prefill(
         self,

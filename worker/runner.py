@@ -120,7 +120,10 @@ class ModelRunner:
     def _prepare(self, chunks: list[engine_pb2.ScheduledChunk]) -> StepBatch:
         # Decodes (one-token chunks) first: the attention backend batches them.
         tokens = [chunk_tokens(c, self.sequences[c.seq_id]) for c in chunks]
-        order = sorted(range(len(chunks)), key=lambda i: len(tokens[i]) != 1)
+        # Decodes first, shortest context first: the attention backend batches
+        # them in runs of similar length.
+        order = sorted(range(len(chunks)),
+                       key=lambda i: (len(tokens[i]) != 1, chunks[i].start_position))
         input_ids: list[int] = []
         positions: list[int] = []
         last_token: dict[int, int] = {}  # plan index -> flat row of its last token

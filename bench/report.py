@@ -1,0 +1,86 @@
+"""Render docs/benchmarks.md from one run of bench/run_benchmarks.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+HEADER = """# Benchmarks
+
+Written by `bench/run_benchmarks.py` from one run: every case below ran side
+by side on the same machine in the same session, so ratios between them are
+meaningful; absolute figures move with the machine's load. Workloads are the
+files of `../shared/bench` as they are; every request is greedy with
+`ignore_eos` and must receive exactly `max_tokens` tokens (errors would be
+counted). Default model: SmolLM2-135M-Instruct (bundled GGUF), default flags
+unless listed (`--dtype auto`: bf16 on this CPU).
+
+Reproduce: `.venv/bin/python bench/run_benchmarks.py` (all cases, ~15 min), or
+`--only continuous static-8` for some. One case by hand:
+
+    jitney serve --trace /tmp/t.jsonl &          # flags of the case
+    jitney bench --workload ../shared/bench/offline-64.jsonl --json /tmp/r.json
+
+Machine: {machine}.
+"""
+
+
+def _row(name: str, r: dict[str, Any]) -> str:
+    ttft = r.get("ttft_s", {}).get("p50")
+    tpot = r.get("tpot_s", {}).get("p50")
+    fmt = lambda v, scale=1.0, d=2: "–" if v is None else f"{v * scale:.{d}f}"  # noqa: E731
+    flags = " ".join(r.get("flags", [])) or ("transformers generate" if "flags" not in r else "(defaults)")
+    return (f"| {name} | `{flags}` | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+            f"{fmt(ttft)} | {fmt(tpot, 1000, 1)} | {r.get('errors', 0)} |")
+
+
+def _table(results: dict[str, Any], names: list[str]) -> list[str]:
+    lines = ["| case | flags | wall s | output tok/s | total tok/s | TTFT p50 s | TPOT p50 ms | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    return lines + [_row(n, results[n]) for n in names if n in results]
+
+
+def _ratio(results: dict[str, Any], a: str, b: str) -> float | None:
+    if a in results and b in results:
+        return results[a]["output_tok_s"] / results[b]["output_tok_s"]
+    return None
+
+
+def _target(ok: bool | None, text: str) -> str:
+    mark = "–" if ok is None else ("met" if ok else "**missed**")
+    return f"| {text} | {mark} |"
+
+
+def render(results: dict[str, Any], machine: str) -> str:
+    out = [HEADER.format(machine=machine)]
+    out += ["## offline-64 (64 requests at t = 0)", ""]
+    out += _table(results, ["continuous", "continuous-8", "static-8", "sequential", "hf-generate"])
+    out += ["", "| ratio of output tok/s | value | target |", "|---|---|---|"]
+    for a, b, goal in (("continuous", "static-8", 3), ("continuous", "sequential", 6),
+                       ("continuous", "hf-generate", 4), ("continuous-8", "static-8", None)):
+        r = _ratio(results, a, b)
+        out.append(f"| {a} / {b} | {'–' if r is None else f'{r:.2f}×'} | {'' if goal is None else f'≥ {goal}×'} |")
+    out += ["", "## online-64 (Poisson arrivals, 1 request/s)", ""]
+    out += _table(results, ["online"])
+    out += ["", "## prefix-64 (64 requests sharing a 384-token prefix)", ""]
+    out += _table(results, ["prefix-cache", "no-prefix-cache"])
+    if "prefix-cache" in results and "no-prefix-cache" in results:
+        on, off = results["prefix-cache"], results["no-prefix-cache"]
+        out += ["", "| | prefix cache on | off | change |", "|---|---|---|---|",
+                f"| prompt tokens computed | {on['computed_prompt_tokens']} | {off['computed_prompt_tokens']} | "
+                f"{1 - on['computed_prompt_tokens'] / off['computed_prompt_tokens']:.1%} fewer |",
+                f"| TTFT p50 s | {on['ttft_s']['p50']:.2f} | {off['ttft_s']['p50']:.2f} | "
+                f"{off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}× lower |",
+                f"| output tok/s | {on['output_tok_s']:.1f} | {off['output_tok_s']:.1f} | "
+                f"{on['output_tok_s'] / off['output_tok_s']:.2f}× |"]
+    out += ["", "## Targets", "", "| target | result |", "|---|---|"]
+    cont, online = results.get("continuous"), results.get("online")
+    for a, b, goal in (("continuous", "static-8", 3), ("continuous", "sequential", 6), ("continuous", "hf-generate", 4)):
+        r = _ratio(results, a, b)
+        out.append(_target(None if r is None else r >= goal, f"{a} ≥ {goal}× {b} output tok/s"))
+    out.append(_target(None if cont is None else cont["wall_s"] <= 22, "offline-64 wall ≤ 22 s"))
+    out.append(_target(None if online is None else online["ttft_s"]["p99"] <= 0.5,
+                       f"online-64 TTFT p99 ≤ 0.5 s (got {online['ttft_s']['p99']:.2f})" if online else "online-64 TTFT p99 ≤ 0.5 s"))
+    out.append(_target(None if online is None else online["tpot_s"]["p50"] <= 0.030,
+                       f"online-64 TPOT p50 ≤ 30 ms (got {online['tpot_s']['p50'] * 1000:.1f})" if online else "online-64 TPOT p50 ≤ 30 ms"))
+    out += ["", "Analysis of what limits each figure: [performance.md](performance.md).", ""]
+    return "\n".join(out)
