@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 HEADER = """# Benchmarks
@@ -22,6 +24,47 @@ Reproduce: `.venv/bin/python bench/run_benchmarks.py` (all cases, ~15 min), or
 
 Machine: {machine}.
 """
+
+
+def overhead(trace_path: str) -> dict[str, float]:
+    """Non-model share of step time, from a step trace.
+
+    A step's period is the gap between its result and the one before (with
+    overlap, steps follow each other on the worker); model_s is the model's
+    own time in it (forward + logits); the rest is the non-model cost:
+    input preparation, sampling, plan/result transport, scheduling and
+    detokenisation as far as they are not hidden by the overlap.
+    """
+    rows = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line]
+    done = [r["t"] + r["dur"] for r in rows]
+    wall = done[-1] if rows else 0.0
+    out = {"steps": len(rows), "wall_s": wall,
+           "worker_busy": sum(r["worker_s"] for r in rows) / wall if wall else 0.0}
+    for label, keep in (("batch_ge_16", lambda r: len(r["seats"]) >= 16),
+                        ("batch_lt_16", lambda r: len(r["seats"]) < 16)):
+        sel = [(done[i] - done[i - 1], rows[i]["model_s"], rows[i]["worker_s"])
+               for i in range(1, len(rows)) if keep(rows[i])]
+        period = sum(p for p, _, _ in sel)
+        out[f"{label}_steps"] = len(sel)
+        out[f"{label}_non_model"] = 1 - sum(m for _, m, _ in sel) / period if period else 0.0
+        out[f"{label}_worker_non_model"] = sum(w - m for _, m, w in sel) / period if period else 0.0
+    return out
+
+
+def _overhead_section(results: dict[str, Any]) -> list[str]:
+    cont = results.get("continuous")
+    if not cont or "trace" not in cont or not Path(cont["trace"]).exists():
+        return []
+    o = overhead(cont["trace"])
+    return ["", "## Non-model cost of a step (continuous, offline-64, from its step trace)", "",
+            f"{o['steps']} steps; the worker was busy {o['worker_busy']:.1%} of the wall time "
+            "(step N+1 is planned while step N runs, so it never waits for a plan).", "",
+            "| steps | count | non-model share of step time | of which in the worker (inputs, sampling) |",
+            "|---|---|---|---|",
+            f"| batch ≥ 16 | {o['batch_ge_16_steps']} | {o['batch_ge_16_non_model']:.1%} | "
+            f"{o['batch_ge_16_worker_non_model']:.1%} |",
+            f"| batch < 16 | {o['batch_lt_16_steps']} | {o['batch_lt_16_non_model']:.1%} | "
+            f"{o['batch_lt_16_worker_non_model']:.1%} |"]
 
 
 def _row(name: str, r: dict[str, Any]) -> str:
@@ -59,6 +102,7 @@ def render(results: dict[str, Any], machine: str) -> str:
                        ("continuous", "hf-generate", 4), ("continuous-8", "static-8", None)):
         r = _ratio(results, a, b)
         out.append(f"| {a} / {b} | {'–' if r is None else f'{r:.2f}×'} | {'' if goal is None else f'≥ {goal}×'} |")
+    out += _overhead_section(results)
     out += ["", "## online-64 (Poisson arrivals, 1 request/s)", ""]
     out += _table(results, ["online"])
     out += ["", "## prefix-64 (64 requests sharing a 384-token prefix)", ""]
