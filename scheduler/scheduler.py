@@ -89,6 +89,7 @@ class Scheduler:
         self._on_worker: set[int] = set()       # seq_ids the worker holds
         self._pending_freed: list[int] = []     # for the next plan
         self._step_id = 0
+        self._batch_left = 0    # static/sequential: batch members yet to board
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -188,6 +189,7 @@ class Scheduler:
             self._board(request, cached)
             self._schedule_chunk(request, num_new, output)
             seats -= 1
+            self._batch_left = max(0, self._batch_left - 1)
 
     def _board(self, request: Request, cached: list[int]) -> None:
         """Seat a waiting request; it starts past its cached prefix."""
@@ -199,12 +201,19 @@ class Scheduler:
         self._running.append(request)
 
     def _boarding_seats(self) -> int:
-        """Seats open to waiting requests under the policy."""
+        """Seats open to waiting requests under the policy.
+
+        static and sequential: when nothing rides, the next batch is formed
+        from the head of the queue (all seats, or one); its members board as
+        the token budget lets their prompts in, and nobody else boards until
+        the whole batch has left.
+        """
         if self.config.policy == "continuous":
             return self.config.max_num_seqs - len(self._running)
-        if self._running:
-            return 0    # static and sequential: the current batch rides alone
-        return self.config.max_num_seqs if self.config.policy == "static" else 1
+        if not self._running and not self._batch_left:
+            size = self.config.max_num_seqs if self.config.policy == "static" else 1
+            self._batch_left = min(size, len(self._waiting))
+        return min(self._batch_left, self.config.max_num_seqs - len(self._running))
 
     def _schedule_chunk(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
         start = request.num_computed_tokens

@@ -371,6 +371,25 @@ def test_static_batch_keeps_finished_seats_empty() -> None:
     assert_reference(*requests)
 
 
+def test_static_batch_boards_all_its_members_across_budget_limited_steps() -> None:
+    """A batch is the head of the queue, all seats: prompts that do not fit
+    the first step's budget board in later steps, and nobody else joins."""
+    s, w = make(max_num_seqs=4, max_num_batched_tokens=8, policy="static")
+    requests = [make_request(i, 6, max_tokens=3, ignore_eos=True) for i in range(1, 7)]
+    for r in requests:
+        s.add_request(r)
+    riding: list[set[int]] = []
+    while s.has_work():
+        out, _ = drive_step(s, w)
+        riding.append({c.request.seq_id for c in out.scheduled})
+    assert max(len(r) for r in riding) == 4
+    first_batch, second_batch = {1, 2, 3, 4}, {5, 6}
+    assert all(r <= first_batch or r <= second_batch for r in riding)
+    last_first = max(i for i, r in enumerate(riding) if r & first_batch)
+    assert all(not (r & second_batch) for r in riding[: last_first + 1])
+    assert_reference(*requests)
+
+
 def test_sequential_runs_one_request_at_a_time_in_order() -> None:
     s, w = make(policy="sequential")
     for i in range(1, 5):
