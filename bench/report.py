@@ -103,6 +103,8 @@ def render(results: dict[str, Any], machine: str) -> str:
         r = _ratio(results, a, b)
         out.append(f"| {a} / {b} | {'–' if r is None else f'{r:.2f}×'} | {'' if goal is None else f'≥ {goal}×'} |")
     out += _overhead_section(results)
+    out += ["", "## 32 concurrent streams of 128 tokens (greedy, default model)", ""]
+    out += _table(results, ["streams-32x128"])
     out += ["", "## online-64 (Poisson arrivals, 1 request/s)", ""]
     out += _table(results, ["online"])
     out += ["", "## prefix-64 (64 requests sharing a 384-token prefix)", ""]

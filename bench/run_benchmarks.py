@@ -131,6 +131,21 @@ def run_hf_baseline(items: list[WorkItem], batch_size: int = 8) -> dict[str, Any
             "total_tok_s": (prompt_tokens + output_tokens) / wall}
 
 
+def make_workload(name: str, workdir: Path) -> Path:
+    """Workloads not in ../shared/bench, made with its generator.
+
+    streams-32x128: 32 requests at t = 0, prompts as offline-64's (median 128
+    tokens), each exactly 128 output tokens (an out-median far above the cap).
+    """
+    if name != "streams-32x128.jsonl":
+        raise ValueError(f"unknown workload {name}")
+    path = workdir / name
+    text = subprocess.run([sys.executable, str(SHARED / "workload.py"), "-n", "32", "--out-median", "1000000",
+                           "--out-max", "128"], check=True, capture_output=True, text=True).stdout
+    path.write_text(text)
+    return path
+
+
 def computed_prompt_tokens(trace: Path) -> int:
     """Prompt tokens the worker actually computed (prefill work in the trace)."""
     return sum(json.loads(line)["prefill_tokens"] for line in trace.read_text().splitlines() if line)
@@ -142,6 +157,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "sequential": ("offline-64.jsonl", ["--policy", "sequential"]),
     "continuous-8": ("offline-64.jsonl", ["--max-num-seqs", "8"]),
     "online": ("online-64.jsonl", []),
+    "streams-32x128": ("streams-32x128.jsonl", []),
     "prefix-cache": ("prefix-64.jsonl", []),
     "no-prefix-cache": ("prefix-64.jsonl", ["--no-prefix-cache"]),
 }
@@ -161,7 +177,8 @@ def main() -> int:
             results[name] = run_hf_baseline(load_workload(SHARED / "offline-64.jsonl"))
         else:
             workload, flags = CASES[name]
-            results[name] = run_server_case(name, SHARED / workload, flags, args.workdir)
+            path = SHARED / workload if (SHARED / workload).exists() else make_workload(workload, args.workdir)
+            results[name] = run_server_case(name, path, flags, args.workdir)
             results[name]["workload"] = workload
             results[name]["computed_prompt_tokens"] = computed_prompt_tokens(Path(results[name]["trace"]))
         print(json.dumps({k: v for k, v in results[name].items() if k != "server_stats"}), flush=True)
