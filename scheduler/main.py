@@ -25,10 +25,9 @@ from scheduler.admission import AdmissionLimits
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.model_files import load_tokenizer, resolve_model
-from scheduler.server import GenerationServicer, ServingState
+from scheduler.server import GenerationServicer
 from scheduler.serving import Lifecycle, add_production_arguments, production_fields
 from scheduler.trace import StepTracer
-from scheduler.validation import ModelLimits
 from scheduler.worker_link import WorkerLink
 
 log = logging.getLogger("jitney.scheduler")
@@ -159,17 +158,6 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
                                 cfg.max_request_seconds)
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),  # type: ignore[attr-defined]
                   tracer=tracer, admission=admission)
-
-
-async def _first(aw: object, stop: asyncio.Event) -> object | None:
-    """Await ``aw`` unless ``stop`` is set first (then return None)."""
-    task = aw if isinstance(aw, asyncio.Task) else asyncio.ensure_future(aw)  # type: ignore[arg-type]
-    stopper = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if task in done:
-        return task.result()
-    return None
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
