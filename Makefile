@@ -23,6 +23,7 @@ serve: $(STAMP)
 	$(VENV)/bin/jitney serve $(ARGS)
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q -ra $(ARGS)
 
 proto: $(STAMP)

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import cast
 from pathlib import Path
 
 import grpc
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_worker(WorkerConfig.from_namespace(ns))
     from scheduler.supervisor import child_argv, supervise
 
-    sub = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    sub = cast("dict[str, argparse.ArgumentParser]",
+               parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
                      max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds)
 

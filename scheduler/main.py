@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from client._generated.jitney.v1 import generation_pb2 as pb
 from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
 from scheduler.admission import AdmissionLimits
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.engine import Engine
 from scheduler.model_files import load_tokenizer, resolve_model
 from scheduler.server import GenerationServicer
@@ -45,7 +45,7 @@ class SchedulerProcessConfig:
     port: int                    # gRPC port
     max_num_seqs: int            # seats: sequences in one step
     max_num_batched_tokens: int  # token budget of one step
-    policy: str                  # continuous | static | sequential
+    policy: SchedulingPolicy     # continuous | static | sequential
     plan_addr: str               # ZeroMQ endpoint the scheduler binds for plans
     result_addr: str             # ZeroMQ endpoint the scheduler binds for results
     trace: str | None = None     # write a JSONL step trace here (see scheduler/trace.py)

@@ -189,7 +189,7 @@ class WorkerLink:
                     self.declare_lost(f"no message for {self.worker_timeout:g} s (dead or hung)")
                     continue
                 timeout_ms = int(left * 1000) + 1
-            if not await self._results.poll(timeout_ms, zmq.POLLIN):
+            if not await self._results.poll(timeout_ms):  # POLLIN by default
                 continue
             msg = parse_worker_message(await self._results.recv())
             if msg is not None:

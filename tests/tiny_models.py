@@ -59,7 +59,7 @@ def make_tokenizer(path: Path, vocab_size: int) -> Any:
     return fast
 
 
-def _save(model: torch.nn.Module, path: Path, vocab_size: int) -> Path:
+def _save(model: Any, path: Path, vocab_size: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     make_tokenizer(path, vocab_size)

@@ -35,12 +35,18 @@ from worker.sampler import SamplingBatch
 class Step(Protocol):
     """What this module reads of the runner's ``StepBatch``."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor
-    sampled_seq_ids: list[int]
-    sampling: SamplingBatch | None
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+    @property
+    def positions(self) -> torch.Tensor: ...
+    @property
+    def meta(self) -> AttentionMetadata: ...
+    @property
+    def sample_indices(self) -> torch.Tensor: ...
+    @property
+    def sampled_seq_ids(self) -> list[int]: ...
+    @property
+    def sampling(self) -> SamplingBatch | None: ...
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

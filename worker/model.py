@@ -93,6 +93,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for the step's positions, computed on the fly (no cache)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
