@@ -220,7 +220,7 @@ class Engine:
         """End every request with ``message`` and stop the loop."""
         self._closed = True
         if self._tracer is not None:
-            self._tracer.close()
+            self._tracer.flush()    # the process closes it; a restarted worker's engine appends
         for handle in list(self._handles.values()):
             self._end_with_error(handle, message)
         self._wakeup.set()

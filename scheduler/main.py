@@ -124,6 +124,8 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
         print(f"jitney: metrics on http://{cfg.host}:{cfg.metrics_port}/metrics", flush=True)
     servicer.metrics.log_prompts = cfg.log_prompts
     link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout)
+    # One trace for the process: engines of restarted workers append to it.
+    tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)     # end now
@@ -132,17 +134,19 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
         files = resolve_model(cfg.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, files)
         life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
-                         lambda ready: _make_engine(cfg, link, tokenizer, ready), tokenizer,
+                         lambda ready: _make_engine(cfg, link, tokenizer, ready, tracer), tokenizer,
                          address, cfg.drain_seconds, stop, drain)
         return await life.run()
     finally:
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=1.0)
         link.close()
+        if tracer is not None:
+            tracer.close()
 
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,
-                 ready: "object") -> Engine:
+                 ready: "object", tracer: StepTracer | None) -> Engine:
     sched_cfg = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -153,7 +157,6 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         policy=cfg.policy,
         enable_prefix_caching=cfg.prefix_cache,
     )
-    tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),  # type: ignore[attr-defined]

@@ -58,6 +58,9 @@ class StepTracer:
         }
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
+    def flush(self) -> None:
+        self._file.flush()
+
     def close(self) -> None:
         self._file.close()
 
