@@ -237,6 +237,8 @@ class Engine:
             self.scheduler.finish_request(req.seq_id, FinishReason.STOP_SEQUENCE)
         elif req.is_finished:
             text += handle.detokenizer.flush()
+            if handle.detokenizer.stopped:   # the last characters completed a stop string
+                req.finish_reason = FinishReason.STOP_SEQUENCE
         event = StreamEvent(token_ids=[token], logprobs=[req.output_logprobs[-1]], text=text)
         if req.is_finished:
             event.finish_reason = req.finish_reason
