@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
+from worker.cpu_linear import PackedLinear, pack_linears, packing_supported
 from worker.attention import AttentionMetadata
 from worker.kv_cache import CacheGeometry, PagedKVCache
 from worker.loader import UnsupportedModelError, load_hf_config, load_model, model_config_from_hf
@@ -201,3 +202,10 @@ def test_default_gguf_model_in_bfloat16(smollm2: tuple[CausalLM, torch.nn.Module
     want = hf_logits(ref, ids)
     assert got[-1].argmax() == want[-1].argmax()
     torch.testing.assert_close(got, want, atol=2.0, rtol=0)
+    if packing_supported(torch.bfloat16, torch.device("cpu")):
+        # As load_model serves it on this CPU: oneDNN-packed linears, tied head packed too.
+        net16.lm_head = PackedLinear(net16.model.embed_tokens.weight, None)
+        assert pack_linears(net16) == 4 * len(net16.model.layers)
+        packed = run_chunks(net16, new_cache(net16, 16, dtype=torch.bfloat16), ids, [len(ids)], [1, 2, 3])
+        assert packed[-1].argmax() == want[-1].argmax()
+        torch.testing.assert_close(packed, got, atol=0.5, rtol=0)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from scheduler.model_files import ModelFiles, load_tokenizer, resolve_model
+from worker.cpu_linear import PackedLinear, pack_linears, packing_supported
 from worker.model import CausalLM, ModelConfig, RopeScaling
 
 logger = logging.getLogger("jitney.worker")
@@ -204,6 +205,10 @@ def load_model(
     with torch.device("meta"):
         net = CausalLM(cfg)
     net.load_weights(state, dtype, device)
+    if packing_supported(dtype, device):
+        if net.lm_head is None:   # the tied head gets its own packed copy
+            net.lm_head = PackedLinear(net.model.embed_tokens.weight, None)
+        logger.info("packed %d linear layers for oneDNN (bf16 on the CPU)", pack_linears(net))
     if state:
         logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(state)[:8]))
     logger.info(

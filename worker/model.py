@@ -196,7 +196,9 @@ class CausalLM(nn.Module):
         self.backend = backend if backend is not None else TorchPagedAttention()
         self.model = Decoder(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # None: tied to the embedding (until a packed copy takes its place).
+        self.lm_head: nn.Module | None = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
     def forward(
         self,
@@ -218,8 +220,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
         x = self.model.norm(hidden[sample_indices])
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is None:
+            return F.linear(x, self.model.embed_tokens.weight).float()
+        return self.lm_head(x).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         """Move weights from an HF-named ``state_dict`` into this model.
