@@ -255,8 +255,9 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     """The CPU (and fallback) path in plain torch.
 
-    Decodes are batched: their blocks are gathered into one padded
-    ``(B, max_len, kvh, d)`` tensor and attended in one call. Prefill chunks
+    Decodes are batched: per run of similar context length
+    (``meta.decode_groups``) their blocks are gathered into one padded
+    ``(n, max_len, kvh, d)`` tensor and attended in one call. Prefill chunks
     are attended one sequence at a time.
     """
 
