@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,70 +26,29 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "bench"
 sys.path.insert(0, str(ROOT))
 
+from bench.report import render  # noqa: E402
 from client.bench import WorkItem, load_workload  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stats(target: str) -> dict[str, Any]:
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from client._generated.jitney.v1 import generation_pb2 as pb
-    from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(target) as ch:
-        reply = pb_grpc.GenerationServiceStub(ch).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+from tests.server_harness import running_server  # noqa: E402
 
 
 def run_server_case(name: str, workload: Path, flags: list[str], workdir: Path) -> dict[str, Any]:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
+    """`jitney serve FLAGS --trace` until `jitney bench` has replayed ``workload``."""
+    from google.protobuf.json_format import MessageToDict
+
     trace = workdir / f"{name}.trace.jsonl"
-    log = open(workdir / f"{name}.log", "wb")
-    cmd = [sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--trace", str(trace), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_ready(target, proc)
+    with running_server(["--trace", str(trace), *flags], workdir, startup_timeout=300) as server:
         out = workdir / f"{name}.json"
-        bench = [sys.executable, "-m", "client.cli", "bench", "--target", target, "--workload", str(workload),
-                 "--json", str(out), "--no-progress"]
+        bench = [sys.executable, "-m", "client.cli", "bench", "--target", server.target, "--workload",
+                 str(workload), "--json", str(out), "--no-progress"]
         print(f"== {name}: jitney serve {' '.join(flags)}", flush=True)
         code = subprocess.run(bench, cwd=ROOT).returncode
         summary = json.loads(out.read_text())
         summary["exit_code"] = code
-        summary["server_stats"] = _stats(target)
-        summary["flags"] = flags
-        summary["trace"] = str(trace)
-        return summary
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-
-
-def _wait_ready(target: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
-    from grpc_health.v1 import health_pb2
-
-    sys_path_cli = [sys.executable, "-m", "client.cli", "health", "--target", target, "--timeout", "1"]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        ok = subprocess.run(sys_path_cli, cwd=ROOT, capture_output=True).returncode == 0
-        if ok:
-            return
-        time.sleep(0.5)
-    del health_pb2
-    raise TimeoutError("server not ready")
+        summary["server_stats"] = MessageToDict(server.stats(), preserving_proto_field_name=True,
+                                                always_print_fields_with_no_presence=True)
+    summary["flags"] = flags
+    summary["trace"] = str(trace)
+    return summary
 
 
 def run_hf_baseline(items: list[WorkItem], batch_size: int = 8) -> dict[str, Any]:
@@ -184,15 +141,9 @@ def main() -> int:
         print(json.dumps({k: v for k, v in results[name].items() if k != "server_stats"}), flush=True)
     (args.workdir / "results.json").write_text(json.dumps(results, indent=2))
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    args.out.write_text(render_markdown(results, machine))
+    args.out.write_text(render(results, machine))
     print(f"wrote {args.out}")
     return 0 if all(r.get("errors", 0) == 0 for r in results.values()) else 1
-
-
-def render_markdown(results: dict[str, Any], machine: str) -> str:
-    from bench.report import render
-
-    return render(results, machine)
 
 
 if __name__ == "__main__":

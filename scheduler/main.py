@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from client._generated.jitney.engine.v1 import engine_pb2
 from client._generated.jitney.v1 import generation_pb2 as pb
 from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
 from scheduler.admission import AdmissionLimits
@@ -146,20 +147,19 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
 
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,
-                 ready: "object", tracer: StepTracer | None) -> Engine:
+                 ready: engine_pb2.Ready, tracer: StepTracer | None) -> Engine:
     sched_cfg = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
-        block_size=ready.block_size,  # type: ignore[attr-defined]
-        num_blocks=ready.num_blocks,  # type: ignore[attr-defined]
-        max_model_len=min(ready.context_length,  # type: ignore[attr-defined]
-                          ready.num_blocks * ready.block_size),  # type: ignore[attr-defined]
+        block_size=ready.block_size,
+        num_blocks=ready.num_blocks,
+        max_model_len=min(ready.context_length, ready.num_blocks * ready.block_size),
         policy=cfg.policy,
         enable_prefix_caching=cfg.prefix_cache,
     )
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)
-    return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),  # type: ignore[attr-defined]
+    return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),
                   tracer=tracer, admission=admission)
 
 

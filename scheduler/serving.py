@@ -67,9 +67,8 @@ class Lifecycle:
     async def _start_serving(self, ready: engine_pb2.Ready) -> Engine:
         engine = self.make_engine(ready)
         engine.on_step = self.servicer.metrics.observe_step
-        limits = ModelLimits(vocab_size=ready.vocab_size,
-                             context_length=min(ready.context_length,
-                                                ready.num_blocks * ready.block_size))
+        # The scheduler's max_model_len: the model's context, capped by the cache.
+        limits = ModelLimits(vocab_size=ready.vocab_size, context_length=engine.config.max_model_len)
         self.servicer.state = ServingState(engine, ready, limits, self.tokenizer)
         self.servicer.refusing = None
         await self.set_health(SERVING)
