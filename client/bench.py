@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import sys
 import time
@@ -101,8 +102,8 @@ def _dist(values: list[float]) -> dict[str, float]:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
     ordered = sorted(values)
 
-    def pct(p: float) -> float:  # nearest-rank percentile
-        return ordered[min(len(ordered) - 1, max(0, int(round(p / 100 * len(ordered) + 0.5)) - 1))]
+    def pct(p: float) -> float:  # nearest-rank percentile: the ceil(p% * n)-th value
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
     return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 

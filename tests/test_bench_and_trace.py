@@ -69,3 +69,11 @@ def test_seats_are_kept_while_riding_and_reused_after() -> None:
     rows, num_seats = assign_seats(steps)
     assert num_seats == 3
     assert rows == [[1, 2], [1, 2], [3, 2], [3, 2, 4], []]
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    from client.bench import _dist
+
+    assert _dist([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == {"mean": 3.5, "p50": 3.0, "p90": 6.0, "p99": 6.0}
+    d = _dist([float(v) for v in range(1, 101)])
+    assert (d["p50"], d["p90"], d["p99"]) == (50.0, 90.0, 99.0)
