@@ -8,6 +8,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY jitney ./jitney
 COPY client ./client
 COPY scheduler ./scheduler
 COPY worker ./worker

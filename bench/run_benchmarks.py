@@ -27,8 +27,8 @@ SHARED = ROOT.parent / "shared" / "bench"
 sys.path.insert(0, str(ROOT))
 
 from bench.report import render  # noqa: E402
-from client.bench import WorkItem, load_workload  # noqa: E402
-from tests.server_harness import running_server  # noqa: E402
+from jitney.client.bench import WorkItem, load_workload  # noqa: E402
+from bench.server_harness import running_server  # noqa: E402
 
 
 def run_server_case(name: str, workload: Path, flags: list[str], workdir: Path) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def run_server_case(name: str, workload: Path, flags: list[str], workdir: Path) 
     trace = workdir / f"{name}.trace.jsonl"
     with running_server(["--trace", str(trace), *flags], workdir, startup_timeout=300) as server:
         out = workdir / f"{name}.json"
-        bench = [sys.executable, "-m", "client.cli", "bench", "--target", server.target, "--workload",
+        bench = [sys.executable, "-m", "jitney.cli", "bench", "--target", server.target, "--workload",
                  str(workload), "--json", str(out), "--no-progress"]
         print(f"== {name}: jitney serve {' '.join(flags)}", flush=True)
         code = subprocess.run(bench, cwd=ROOT).returncode
@@ -56,7 +56,7 @@ def run_hf_baseline(items: list[WorkItem], batch_size: int = 8) -> dict[str, Any
     import torch
     from transformers import AutoModelForCausalLM
 
-    from scheduler.model_files import resolve_model
+    from jitney.common.model_files import resolve_model
 
     files = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(str(files.directory), dtype=torch.float32,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.server_harness import running_server  # noqa: E402
-from tests.soak import Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving  # noqa: E402
-from tests.tiny_models import make_tiny_llama  # noqa: E402
+from bench.server_harness import running_server  # noqa: E402
+from bench.soak_load import Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving  # noqa: E402
+from bench.tiny_models import make_tiny_llama  # noqa: E402
 
 
 def main() -> int:

@@ -22,8 +22,8 @@ from typing import Any
 
 import grpc
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True)

@@ -1,35 +1,17 @@
-"""The `jitney` command: serve, scheduler, worker, generate."""
+"""The client side of the `jitney` command: generate, health, bench.
+
+Imports only the public API (``jitney.v1`` through ``jitney.client``);
+``jitney.cli`` adds these subcommands next to the server's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-from typing import cast
 from pathlib import Path
 
 import grpc
-
-LOG_LEVELS = ["debug", "info", "warning", "error"]
-
-
-def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from scheduler.main import add_scheduler_arguments
-    from worker.config import add_worker_arguments
-
-    serve = sub.add_parser("serve", help="run the scheduler and one worker (the usual way)")
-    add_worker_arguments(serve)
-    add_scheduler_arguments(serve, with_shared=False)
-    from scheduler.supervisor import add_supervisor_arguments
-
-    add_supervisor_arguments(serve)
-    sched = sub.add_parser("scheduler", help="run the scheduler process alone (gRPC + scheduling)")
-    add_scheduler_arguments(sched)
-    work = sub.add_parser("worker", help="run the worker process alone (model + KV cache)")
-    add_worker_arguments(work)
-    for p in (serve, sched, work):
-        p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
 def _generate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -78,32 +60,8 @@ def _bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _plot_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    plot = sub.add_parser("plot", help="draw the seat chart of step traces (serve --trace)")
-    plot.add_argument("traces", nargs="+", type=Path, help="trace files (JSONL), one column each")
-    plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
-    plot.add_argument("--title", action="append", default=None,
-                      help="column title (repeat once per trace; default: file names)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jitney", description="Jitney: an in-flight batching LLM server")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _server_parsers(sub)
-    _generate_parser(sub)
-    _health_parser(sub)
-    _bench_parser(sub)
-    _plot_parser(sub)
-    return parser
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from client.client import FINISH_REASON_NAMES, JitneyClient, Sampling, make_params
+    from jitney.client.client import FINISH_REASON_NAMES, JitneyClient, Sampling, make_params
 
     sampling = Sampling(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed,
                         max_tokens=ns.max_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos)
@@ -135,44 +93,22 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+def run(ns: argparse.Namespace) -> int:
+    """Run the client subcommand ``ns.command`` (generate, health or bench)."""
     if ns.command == "generate":
         return cmd_generate(ns)
     if ns.command == "health":
         return cmd_health(ns)
-    if ns.command == "plot":
-        from client.plot import plot
+    from jitney.client.bench import run_bench
 
-        if ns.title is not None and len(ns.title) != len(ns.traces):
-            parser.error("give --title once per trace, or not at all")
-        plot(ns.traces, ns.output, ns.title)
-        return 0
-    if ns.command == "bench":
-        from client.bench import run_bench
-
-        return run_bench(ns.target, ns.workload, ns.json, ns.max_concurrency, not ns.no_progress)
-    if ns.command in ("serve", "scheduler") and ns.max_num_batched_tokens < ns.max_num_seqs:
-        parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
-                     f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")
-    _configure_logging(ns.log_level)
-    if ns.command == "scheduler":
-        from scheduler.main import SchedulerProcessConfig, run_scheduler
-
-        return run_scheduler(SchedulerProcessConfig.from_namespace(ns))
-    if ns.command == "worker":
-        from worker.config import WorkerConfig
-        from worker.main import run_worker
-
-        return run_worker(WorkerConfig.from_namespace(ns))
-    from scheduler.supervisor import child_argv, supervise
-
-    sub = cast("dict[str, argparse.ArgumentParser]",
-               parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
-    return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
-                     max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds)
+    return run_bench(ns.target, ns.workload, ns.json, ns.max_concurrency, not ns.no_progress)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_client_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """The generate, health and bench subcommands."""
+    _generate_parser(sub)
+    _health_parser(sub)
+    _bench_parser(sub)
+
+
+CLIENT_COMMANDS = ("generate", "health", "bench")

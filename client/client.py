@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_LENGTH: "length",

@@ -41,7 +41,7 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from scheduler.request import Request
+from jitney.scheduler.request import Request
 
 
 class NoFreeBlocksError(RuntimeError):

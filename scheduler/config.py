@@ -41,9 +41,11 @@ class SchedulerConfig:
 
     policy: SchedulingPolicy = "continuous"
     """``continuous``: waiting requests board at every step while seats,
-    budget and blocks last. ``static``: requests board only in a step where
-    none is running, so a finished request's seat stays empty until the whole
-    batch has finished (a batch is what boards in that one step).
+    budget and blocks last. ``static``: when nobody rides, the head of
+    the queue forms a batch of up to ``max_num_seqs`` requests; members whose
+    prompts miss the first step's token budget board in later steps, and
+    nobody else boards until the whole batch has left, so a finished
+    request's seat stays empty meanwhile.
     ``sequential``: one request at a time."""
 
     enable_prefix_caching: bool = True

@@ -17,16 +17,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from scheduler.admission import AdmissionLimits
-from scheduler.config import SchedulerConfig
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.plan import to_step_plan
-from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.scheduler import Scheduler, SchedulerOutput
-from scheduler.trace import StepTracer
-from scheduler.validation import ValidatedRequest
-from scheduler.worker_link import WorkerLink, WorkerLinkError
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.admission import AdmissionLimits
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.detokenizer import IncrementalDetokenizer
+from jitney.scheduler.plan import to_step_plan
+from jitney.scheduler.request import FinishReason, Request, RequestStatus
+from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
+from jitney.scheduler.trace import StepTracer
+from jitney.scheduler.validation import ValidatedRequest
+from jitney.scheduler.worker_link import WorkerLink, WorkerLinkError
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -190,12 +190,12 @@ class Engine:
     def _apply(self, output: SchedulerOutput, result: engine_pb2.StepResult, started: float) -> None:
         """Hand a step's sampled tokens to the scheduler and the streams."""
         if self._tracer:
-            self._tracer.record(output, started, result.forward_seconds, result.model_seconds,
+            self._tracer.record(output, started, result.worker_seconds, result.model_seconds,
                                 self.scheduler)
         self.num_steps += 1
         self.num_preemptions += len(output.preempted)
         if self.on_step is not None:
-            self.on_step(result.forward_seconds, len(output.scheduled))
+            self.on_step(result.worker_seconds, len(output.scheduled))
         try:   # checks the whole result before it changes anything
             updated = self.scheduler.update_from_output(
                 output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))

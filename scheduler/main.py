@@ -19,17 +19,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
-from scheduler.admission import AdmissionLimits
-from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.engine import Engine
-from scheduler.model_files import load_tokenizer, resolve_model
-from scheduler.server import GenerationServicer
-from scheduler.serving import Lifecycle, add_production_arguments, production_fields
-from scheduler.trace import StepTracer
-from scheduler.worker_link import WorkerLink
+from jitney.engine.v1 import engine_pb2
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.scheduler.admission import AdmissionLimits
+from jitney.scheduler.config import SchedulerConfig, SchedulingPolicy
+from jitney.scheduler.engine import Engine
+from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.scheduler.server import GenerationServicer
+from jitney.scheduler.serving import Lifecycle, add_production_arguments, production_fields
+from jitney.scheduler.trace import StepTracer
+from jitney.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -44,8 +44,8 @@ class SchedulerProcessConfig:
     model: str | None            # model path for the tokenizer; None = bundled default
     host: str                    # gRPC bind address (loopback unless told otherwise)
     port: int                    # gRPC port
-    max_num_seqs: int            # seats: sequences in one step
-    max_num_batched_tokens: int  # token budget of one step
+    max_num_seqs: int | None            # seats: sequences in one step; None = the worker's
+    max_num_batched_tokens: int | None  # token budget of one step; None = the worker's
     policy: SchedulingPolicy     # continuous | static | sequential
     plan_addr: str               # ZeroMQ endpoint the scheduler binds for plans
     result_addr: str             # ZeroMQ endpoint the scheduler binds for results
@@ -71,8 +71,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     the worker's flags already define (for `jitney serve`)."""
     if with_shared:
         parser.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-        parser.add_argument("--max-num-seqs", type=_positive, default=64, help="most sequences in one step")
-        parser.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="token budget of one step")
+        parser.add_argument("--max-num-seqs", type=_positive, default=None,
+                            help="seats: most sequences running at once (default: the worker's)")
+        parser.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                            help="token budget of one step (default: the worker's)")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port")
     parser.add_argument("--policy", choices=["continuous", "static", "sequential"], default="continuous",
@@ -149,8 +151,9 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,
                  ready: engine_pb2.Ready, tracer: StepTracer | None) -> Engine:
     sched_cfg = SchedulerConfig(
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=_step_limit("max_num_seqs", cfg.max_num_seqs, ready.max_num_seqs),
+        max_num_batched_tokens=_step_limit("max_num_batched_tokens", cfg.max_num_batched_tokens,
+                                           ready.max_num_batched_tokens),
         block_size=ready.block_size,
         num_blocks=ready.num_blocks,
         max_model_len=min(ready.context_length, ready.num_blocks * ready.block_size),
@@ -161,6 +164,17 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
                                 cfg.max_request_seconds)
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),
                   tracer=tracer, admission=admission)
+
+
+def _step_limit(name: str, asked: int | None, worker: int) -> int:
+    """The scheduler's flag, or the worker's value when unset; never more than the worker accepts."""
+    if asked is None:
+        return worker
+    if asked > worker:
+        log.warning("--%s %d is more than the worker accepts (%d): using %d",
+                       name.replace("_", "-"), asked, worker, worker)
+        return worker
+    return asked
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:

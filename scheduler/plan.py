@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from scheduler.request import Request
-from scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.request import Request
+from jitney.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 _UINT64_MASK = (1 << 64) - 1
 

@@ -32,9 +32,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager, cdiv
-from scheduler.config import SchedulerConfig
-from scheduler.request import FinishReason, Request, RequestStatus
+from jitney.scheduler.block_manager import BlockManager, cdiv
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.request import FinishReason, Request, RequestStatus
 
 
 @dataclass

@@ -13,14 +13,14 @@ from typing import Any
 
 import grpc
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
-from scheduler.admission import QueueFullError
-from scheduler.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
-from scheduler.metrics import Metrics, RequestRecord, request_log
-from scheduler.request import FinishReason
-from scheduler.validation import (
+from jitney.engine.v1 import engine_pb2
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.scheduler.admission import QueueFullError
+from jitney.scheduler.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
+from jitney.scheduler.metrics import Metrics, RequestRecord, request_log
+from jitney.scheduler.request import FinishReason
+from jitney.scheduler.validation import (
     InvalidRequestError,
     ModelLimits,
     validate_generation,
@@ -145,6 +145,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             device=ready.device,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
+            warmup_seconds=ready.warmup_seconds,
         )
 
     async def GetServerStats(self, request: pb.GetServerStatsRequest,

@@ -23,11 +23,11 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from scheduler.engine import Engine
-from scheduler.server import GenerationServicer, ServingState
-from scheduler.validation import ModelLimits
-from scheduler.worker_link import WorkerLink, WorkerLostError
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.engine import Engine
+from jitney.scheduler.server import GenerationServicer, ServingState
+from jitney.scheduler.validation import ModelLimits
+from jitney.scheduler.worker_link import WorkerLink, WorkerLostError
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -73,8 +73,9 @@ class Lifecycle:
         self.servicer.refusing = None
         await self.set_health(SERVING)
         print(f"jitney: ready on {self.address}: {ready.model_name} ({ready.dtype}, {ready.device}), "
-              f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, worker pid "
-              f"{ready.worker_pid}", flush=True)
+              f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, step budget "
+              f"{engine.config.max_num_batched_tokens} tokens, {engine.config.max_num_seqs} seats, "
+              f"warm-up {ready.warmup_seconds:.1f} s, worker pid {ready.worker_pid}", flush=True)
         return engine
 
     async def _serve(self, engine: Engine) -> bool:

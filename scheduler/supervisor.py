@@ -140,7 +140,7 @@ def supervise(scheduler_argv: list[str], worker_argv: list[str], *,
               max_worker_restarts: int = 5, drain_seconds: float = 30.0) -> int:
     with tempfile.TemporaryDirectory(prefix="jitney-") as tmp:
         addrs = ["--plan-addr", f"ipc://{tmp}/plan", "--result-addr", f"ipc://{tmp}/result"]
-        base = [sys.executable, "-m", "client.cli"]
+        base = [sys.executable, "-m", "jitney.cli"]
         return _Supervisor(base + ["scheduler", *scheduler_argv, *addrs],
                            base + ["worker", *worker_argv, *addrs],
                            max_worker_restarts, drain_seconds).run()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
 
 
 class StepTracer:

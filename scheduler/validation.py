@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from client._generated.jitney.v1 import generation_pb2
-from scheduler.request import SamplingOptions
+from jitney.v1 import generation_pb2
+from jitney.scheduler.request import SamplingOptions
 
 # A transformers tokenizer (PreTrainedTokenizerBase).
 Tokenizer = Any

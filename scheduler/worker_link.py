@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError
 
-from client._generated.jitney.engine.v1 import engine_pb2
+from jitney.engine.v1 import engine_pb2
 
 log = logging.getLogger("jitney.scheduler")
 

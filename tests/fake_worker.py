@@ -1,31 +1,44 @@
 """A fake worker that consumes StepPlans exactly as a real one would.
 
-It keeps a physical "KV cache" (one token id per slot), rebuilds each
-sequence's block table from the plan diffs, writes every computed position
-through that table and samples by reading the whole history back through it.
-A wrong table, a write to a block another live sequence also holds (prefix
-sharing is read-only), a position computed out of order or twice all either
-raise ``PlanError`` or change the output tokens. A sequence's first chunk may
-start past 0 (a prefix-cache hit): it then reads positions other sequences
-wrote, so a wrong hit changes the output tokens.
+Every plan first goes through the real worker's checks
+(``jitney.worker.plan.validate_plan``, against the same ``SequenceState``s and
+``PlanLimits`` the real ``ModelRunner`` keeps) and its diffs are applied with
+the real ``apply_plan_diffs``; a plan the real worker would refuse raises the
+real ``PlanError``. So every test that drives the scheduler through this fake
+also proves that the real worker accepts every plan the scheduler makes.
+(``jitney.worker.plan`` imports no torch, and neither may this module:
+``test_scheduler.py`` checks it in a fresh interpreter.)
+
+On top of that it keeps a physical "KV cache" (one token id per slot),
+writes every computed position through the sequence's block table and
+samples by reading the whole history back through it. That catches plans
+the real checks accept but the real worker would execute wrongly: a wrong
+table, a write to a block another live sequence also holds (prefix sharing
+is read-only), a position computed out of order or twice all either raise
+``PlanError`` (with "fake worker" in the message) or change the output
+tokens. A sequence's first chunk may start past 0 (a prefix-cache hit): it
+then reads positions other sequences wrote, so a wrong hit changes the
+output tokens.
 
     token sampled after position p = (sum(tokens[0..p]) * 31 + p + 1) % VOCAB
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from scheduler.plan import to_step_plan
-from scheduler.request import Request, SamplingOptions
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.plan import to_step_plan
+from jitney.scheduler.request import Request, SamplingOptions
+from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
+from jitney.worker.plan import (PlanError, PlanLimits, SequenceState, apply_plan_diffs,
+                                chunk_tokens, validate_plan)
+
+__all__ = ["VOCAB", "FakeWorker", "PlanError", "expected_token", "reference_output", "make_request",
+           "check_step_limits", "wire_plan", "drive_step", "run_until_idle", "run_pipelined"]
 
 VOCAB = 1000
-
-
-class PlanError(AssertionError):
-    """The plan is one a real worker could not execute correctly."""
 
 
 def expected_token(history: list[int]) -> int:
@@ -41,38 +54,57 @@ def reference_output(prompt: list[int], num_tokens: int) -> list[int]:
     return history[len(prompt):]
 
 
-@dataclass
-class _Sequence:
-    sampling: engine_pb2.SamplingConfig
-    table: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    last_sampled: int | None = None
-
-
 class FakeWorker:
-    """Executes plans against a fake paged cache; see module docstring."""
+    """Executes plans against a fake paged cache; see module docstring.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    ``limits`` are what the real worker would check plans against. Built
+    from the cache geometry alone, the context length is the whole cache
+    and the step budget and seats are unbounded (``drive_step`` and
+    ``run_pipelined`` still check those against the scheduler's config);
+    ``for_config`` sets all of them as a real worker serving that config.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, limits: PlanLimits | None = None) -> None:
+        if limits is None:
+            limits = PlanLimits(num_blocks=num_blocks, block_size=block_size,
+                                context_length=num_blocks * block_size, vocab_size=VOCAB,
+                                max_num_batched_tokens=sys.maxsize, max_num_seqs=sys.maxsize)
+        assert (limits.num_blocks, limits.block_size) == (num_blocks, block_size)
+        self.limits = limits
         self.block_size = block_size
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.holders: dict[int, set[int]] = {}   # block id -> seq_ids holding it
-        self.seqs: dict[int, _Sequence] = {}
+        self.seqs: dict[int, SequenceState] = {}  # the real worker's per-sequence state
+        self.num_computed: dict[int, int] = {}    # seq_id -> positions written (absent: none yet)
         self.last_step_id = 0
 
+    @classmethod
+    def for_config(cls, config: SchedulerConfig, vocab_size: int = VOCAB) -> FakeWorker:
+        """A worker with the limits a real one serving ``config`` has (its
+        context length is taken to be the scheduler's ``max_model_len``)."""
+        return cls(config.num_blocks, config.block_size, limits=PlanLimits(
+            num_blocks=config.num_blocks, block_size=config.block_size,
+            context_length=config.max_model_len, vocab_size=vocab_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs))
+
     def execute(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
-        """Run one plan; return one token per sampling chunk, in order."""
-        _require(plan.step_id > self.last_step_id, "step ids must increase")
+        """Run one plan; return one token per sampling chunk, in order.
+
+        As ``ModelRunner.execute``: the real checks on the whole plan, then
+        the real diffs, then the chunks. Raises ``PlanError``.
+        """
+        validate_plan(plan, self.seqs, self.limits)   # raises the real PlanError
+        _require(plan.step_id > self.last_step_id,
+                 f"step {plan.step_id}: step ids must increase (last {self.last_step_id})")
         self.last_step_id = plan.step_id
         for seq_id in plan.freed_seq_ids:
-            self._free(seq_id)
-        for new in plan.new_sequences:
-            _require(new.seq_id not in self.seqs, f"seq {new.seq_id} added twice")
-            self.seqs[new.seq_id] = _Sequence(sampling=new.sampling)
-        result = engine_pb2.StepResult(step_id=plan.step_id)
-        seen: set[int] = set()
+            self._release(seq_id)
+        apply_plan_diffs(plan, self.seqs)
         for chunk in plan.chunks:
-            _require(chunk.seq_id not in seen, f"seq {chunk.seq_id} twice in a step")
-            seen.add(chunk.seq_id)
+            self._hold(chunk)
+        result = engine_pb2.StepResult(step_id=plan.step_id)
+        for chunk in plan.chunks:
             token = self._run_chunk(chunk)
             if token is not None:
                 result.seq_ids.append(chunk.seq_id)
@@ -80,66 +112,67 @@ class FakeWorker:
                 result.logprobs.append(-float(token) / VOCAB)
         return result
 
-    def _free(self, seq_id: int) -> None:
-        _require(seq_id in self.seqs, f"freeing unknown seq {seq_id}")
-        for block_id in self.seqs.pop(seq_id).table:
+    def _release(self, seq_id: int) -> None:
+        """Drop a freed sequence's hold on its blocks (before the diffs forget it)."""
+        self.num_computed.pop(seq_id, None)
+        for block_id in self.seqs[seq_id].block_table:
             self.holders[block_id].remove(seq_id)
             if not self.holders[block_id]:
                 del self.holders[block_id]
 
-    def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
-        _require(chunk.seq_id in self.seqs, f"chunk for unknown seq {chunk.seq_id}")
-        seq = self.seqs[chunk.seq_id]
+    def _hold(self, chunk: engine_pb2.ScheduledChunk) -> None:
+        """Record the chunk's new blocks (already appended by the diffs) as held."""
+        table = self.seqs[chunk.seq_id].block_table
+        _require(len(set(table)) == len(table),
+                 f"seq {chunk.seq_id}: a block twice in its table {table}")
         for block_id in chunk.new_block_ids:
-            _require(block_id not in seq.table,
-                     f"block {block_id} twice in the table of seq {chunk.seq_id}")
             self.holders.setdefault(block_id, set()).add(chunk.seq_id)
-            seq.table.append(block_id)
-        tokens = list(chunk.token_ids)
-        if chunk.last_token_from_sample:
-            _require(seq.last_sampled is not None, f"seq {chunk.seq_id}: no sample to fill in")
-            tokens.append(seq.last_sampled)  # type: ignore[arg-type]
-        _require(len(tokens) > 0, "empty chunk")
-        if seq.num_computed == 0:     # first chunk: may start after a cached prefix
+
+    def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
+        seq = self.seqs[chunk.seq_id]
+        tokens = chunk_tokens(chunk, seq)
+        computed = self.num_computed.get(chunk.seq_id)
+        if computed is None:     # first chunk: may start after a cached prefix
             _require(chunk.start_position % self.block_size == 0,
                      f"seq {chunk.seq_id} starts mid-block at {chunk.start_position}")
-            seq.num_computed = chunk.start_position
-        _require(chunk.start_position == seq.num_computed,
-                 f"seq {chunk.seq_id}: chunk starts at {chunk.start_position}, "
-                 f"computed {seq.num_computed}")
+            computed = chunk.start_position
+        _require(chunk.start_position == computed,
+                 f"seq {chunk.seq_id}: chunk starts at {chunk.start_position}, computed {computed}")
         for i, token in enumerate(tokens):
-            self._write(seq, chunk.start_position + i, token)
-        seq.num_computed += len(tokens)
-        _require(len(seq.table) == -(-seq.num_computed // self.block_size),
-                 f"seq {chunk.seq_id}: table of {len(seq.table)} blocks "
-                 f"for {seq.num_computed} positions")
+            self._write(chunk.seq_id, chunk.start_position + i, token)
+        computed += len(tokens)
+        self.num_computed[chunk.seq_id] = computed
+        _require(len(seq.block_table) == -(-computed // self.block_size),
+                 f"seq {chunk.seq_id}: table of {len(seq.block_table)} blocks for {computed} positions")
         if not chunk.sample:
             return None
-        seq.last_sampled = expected_token(self._read(seq))
+        seq.last_sampled = expected_token(self._read(chunk.seq_id))
         return seq.last_sampled
 
-    def _write(self, seq: _Sequence, position: int, token: int) -> None:
+    def _write(self, seq_id: int, position: int, token: int) -> None:
+        table = self.seqs[seq_id].block_table
         block_index = position // self.block_size
-        _require(block_index < len(seq.table), f"position {position} has no slot")
-        block_id = seq.table[block_index]
-        _require(len(self.holders[block_id]) == 1,
-                 f"position {position} written to block {block_id}, "
-                 f"shared by seqs {sorted(self.holders[block_id])}")
+        _require(block_index < len(table), f"seq {seq_id}: position {position} has no slot")
+        block_id = table[block_index]
+        _require(self.holders[block_id] == {seq_id},
+                 f"seq {seq_id}: position {position} written to block {block_id}, "
+                 f"held by seqs {sorted(self.holders[block_id])}")
         self.cache[block_id][position % self.block_size] = token
 
-    def _read(self, seq: _Sequence) -> list[int]:
+    def _read(self, seq_id: int) -> list[int]:
+        table = self.seqs[seq_id].block_table
         history: list[int] = []
-        for position in range(seq.num_computed):
-            slot = self.cache[seq.table[position // self.block_size]][position % self.block_size]
-            if slot is None:
-                raise PlanError(f"position {position} never written")
-            history.append(slot)
+        for position in range(self.num_computed[seq_id]):
+            slot = self.cache[table[position // self.block_size]][position % self.block_size]
+            _require(slot is not None, f"seq {seq_id}: position {position} never written")
+            history.append(slot)  # type: ignore[arg-type]
         return history
 
 
 def _require(condition: bool, message: str) -> None:
+    """A check the real worker does not make (it would compute garbage instead)."""
     if not condition:
-        raise PlanError(message)
+        raise PlanError(f"fake worker: {message}")
 
 
 def make_request(seq_id: int, prompt: list[int] | int, max_tokens: int = 4,
@@ -164,12 +197,19 @@ def check_step_limits(scheduler: Scheduler, output: SchedulerOutput) -> None:
         assert chunk.num_new_tokens == len(chunk.token_ids) + chunk.last_token_from_sample > 0
 
 
+def wire_plan(output: SchedulerOutput) -> engine_pb2.StepPlan:
+    """``to_step_plan(output)`` as the worker receives it: through the
+    ``SchedulerMessage`` bytes the real link sends."""
+    message = engine_pb2.SchedulerMessage(plan=to_step_plan(output))
+    return engine_pb2.SchedulerMessage.FromString(message.SerializeToString()).plan
+
+
 def drive_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, list[Request]]:
     """schedule -> plan -> worker -> update, checking limits and invariants."""
     output = scheduler.schedule()
     check_step_limits(scheduler, output)
     scheduler.check_invariants()
-    result = worker.execute(to_step_plan(output))
+    result = worker.execute(wire_plan(output))
     updated = scheduler.update_from_output(
         output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
     scheduler.check_invariants()
@@ -179,7 +219,7 @@ def drive_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutpu
 def run_until_idle(scheduler: Scheduler, worker: FakeWorker,
                    max_steps: int = 10_000) -> list[SchedulerOutput]:
     """Drive steps until the scheduler has no work; return every output."""
-    outputs = []
+    outputs: list[SchedulerOutput] = []
     while scheduler.has_work():
         assert len(outputs) < max_steps, "scheduler did not drain"
         outputs.append(drive_step(scheduler, worker)[0])
@@ -198,7 +238,7 @@ def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int = 2,
             output = scheduler.schedule()
             check_step_limits(scheduler, output)
             if not output.is_empty:
-                in_flight.append((output, worker.execute(to_step_plan(output))))
+                in_flight.append((output, worker.execute(wire_plan(output))))
                 outputs.append(output)
                 continue
         assert in_flight, "work left but nothing scheduled and nothing in flight"

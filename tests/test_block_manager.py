@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_manager import BlockManager, NoFreeBlocksError, chain_key, root_key
-from scheduler.request import Request
+from jitney.scheduler.block_manager import BlockManager, NoFreeBlocksError, chain_key, root_key
+from jitney.scheduler.request import Request
 from fake_worker import make_request
 
 
@@ -263,7 +263,7 @@ def test_concurrent_computation_of_one_prefix_caches_one_block() -> None:
 
 def test_a_hash_collision_is_caught_by_the_stored_tokens(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import scheduler.block_manager as block_manager
+    import jitney.scheduler.block_manager as block_manager
     monkeypatch.setattr(block_manager, "chain_key", lambda parent, tokens: b"same")
     bm = BlockManager(num_blocks=6, block_size=2)
     compute(bm, make_request(1, [1, 2, 3]))

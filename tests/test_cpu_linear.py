@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.cpu_linear import PackedLinear, pack_linears, packing_supported
+from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                                 reason="this torch build has no oneDNN linear packing")

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_llama
-from worker.config import WorkerConfig
+from bench.tiny_models import make_tiny_llama
+from jitney.worker.config import WorkerConfig
 
 pytestmark = [
     pytest.mark.cuda,
@@ -30,18 +30,19 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> WorkerConfig:
 
 
 def test_auto_backend_on_cuda_is_triton_with_graphs(config: WorkerConfig) -> None:
-    from worker.runner import ModelRunner
+    from jitney.worker.runner import ModelRunner
 
     runner = ModelRunner(config)
     assert type(runner.model.backend).__name__ == "TritonPagedAttention"
-    assert runner.cuda_steps is not None and runner.cuda_steps.graphs is not None
-    assert sorted(runner.cuda_steps.graphs.graphs) == [1, 2, 4, 8]
+    assert runner.graphs is not None
+    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]
+    assert runner.warmup_seconds > 0 and runner.ready_message().warmup_seconds == runner.warmup_seconds
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_and_triton_match_the_cpu_torch_path(config: WorkerConfig, dtype: str) -> None:
     from tests.test_triton_worker import generate
-    from worker.runner import ModelRunner
+    from jitney.worker.runner import ModelRunner
 
     cpu = generate(ModelRunner(replace(config, device="cpu", dtype="float32", attention_backend="torch")))
     gpu = generate(ModelRunner(replace(config, dtype=dtype)))
@@ -53,29 +54,9 @@ def test_cuda_graphs_and_triton_match_the_cpu_torch_path(config: WorkerConfig, d
 
 def test_graph_replay_equals_eager(config: WorkerConfig) -> None:
     from tests.test_triton_worker import generate
-    from worker.cuda_graphs import CudaSteps
-    from worker.runner import ModelRunner
+    from jitney.worker.runner import ModelRunner
 
     replayed = generate(ModelRunner(config))
-    eager = ModelRunner(config)
-    assert eager.cuda_steps is not None
-    eager.cuda_steps = CudaSteps(eager.model, eager.cache, graphs=None)
+    eager = ModelRunner(config, capture_graphs=False)
+    assert eager.graphs is None
     assert generate(eager) == replayed
-
-
-def test_sync_free_sampler_equals_sampler() -> None:
-    from worker.cuda_sampling import sample_without_sync
-    from worker.plan import SequenceState
-    from worker.sampler import SamplingBatch, sample
-
-    states = [SequenceState(0.0, 1.0, 0, 1), SequenceState(0.9, 1.0, 0, 2),
-              SequenceState(0.7, 0.8, 0, 3), SequenceState(1.2, 1.0, 5, 4)]
-    logits = torch.randn(4, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
-    params = SamplingBatch.from_lists(
-        temperature=[s.temperature for s in states], top_p=[s.top_p for s in states],
-        top_k=[s.top_k for s in states], seed=[s.seed for s in states], position=[7, 8, 9, 10],
-        device=torch.device("cuda"),
-    )
-    got, want = sample_without_sync(logits, params, states), sample(logits, params)
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention import GROUP_COST_SLOTS, AttentionMetadata, TorchPagedAttention, plan_decode_groups
+from jitney.worker.attention import GROUP_COST_SLOTS, AttentionMetadata, TorchPagedAttention, plan_decode_groups
 
 
 def test_equal_lengths_stay_one_group() -> None:
@@ -44,8 +44,11 @@ def test_grouped_decodes_equal_one_padded_call() -> None:
     query = torch.randn(len(lens), nh, d)
     meta = AttentionMetadata.build(query_lens=[1] * len(lens), seq_lens=lens, block_tables=tables,
                                    block_size=block_size, device=torch.device("cpu"))
+    backend = TorchPagedAttention()
+    assert meta.decode_groups == ()        # grouping is the CPU backend's business
+    meta = backend.prepare(meta)
     assert len(meta.decode_groups) >= 1
-    out = TorchPagedAttention().attend(query, k_cache, v_cache, meta, scale=d ** -0.5)
+    out = backend.attend(query, k_cache, v_cache, meta, scale=d ** -0.5)
     for i, n in enumerate(lens):
         slots = [tables[i][p // block_size] * block_size + p % block_size for p in range(n)]
         k = k_cache.view(-1, kvh, d)[slots].repeat_interleave(nh // kvh, dim=1)   # (n, nh, d)

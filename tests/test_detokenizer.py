@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, StopStringMatcher
-from scheduler.model_files import resolve_model, load_tokenizer
+from jitney.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, StopStringMatcher
+from jitney.common.model_files import resolve_model, load_tokenizer
 
 MULTILINGUAL = [
     "héllo 世界 🚀🎉 naïve",

@@ -18,10 +18,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client.client import Sampling, make_params
-from tests.server_harness import Server, health_status, running_server
-from tests.tiny_models import make_tiny_llama
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.client.client import Sampling, make_params
+from bench.server_harness import Server, health_status, running_server
+from bench.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +45,63 @@ def ids_params(ids: list[int], max_tokens: int, **sampling) -> pb.GenerationPara
 
 
 def stream_all(server: Server, params: pb.GenerationParams) -> list[pb.GenerateStreamResponse]:
-    return list(server.stub().GenerateStream(pb.GenerateStreamRequest(params=params), timeout=120))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        return list(stub.GenerateStream(pb.GenerateStreamRequest(params=params), timeout=120))
 
 
 def wait_idle(server: Server, timeout: float = 10.0) -> pb.GetServerStatsResponse:
     deadline = time.monotonic() + timeout
-    while True:
-        stats = server.stats()
-        if (stats.kv_blocks_used == 0 and stats.requests_running == 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
+    with grpc.insecure_channel(server.target) as channel:   # one channel for all the polls
+        stub = pb_grpc.GenerationServiceStub(channel)
+        while True:
+            stats = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            if (stats.kv_blocks_used == 0 and stats.requests_running == 0) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+class StreamConsumer:
+    """Reads a GenerateStream call on a thread, so a test can act while it runs."""
+
+    def __init__(self, call: grpc.Call) -> None:
+        self.call = call
+        self.msgs: list[pb.GenerateStreamResponse] = []
+        self.tokens = 0
+        self.error: grpc.RpcError | None = None
+        self.done = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self.call:  # type: ignore[attr-defined]
+                with self._changed:
+                    self.msgs.append(msg)
+                    self.tokens += len(msg.token_ids)
+                    self._changed.notify_all()
+        except grpc.RpcError as err:
+            self.error = err
+        finally:
+            with self._changed:
+                self.done = True
+                self._changed.notify_all()
+
+    def wait_for_tokens(self, count: int, timeout: float = 30.0) -> bool:
+        """Block until ``count`` tokens have arrived (True) or the stream has
+        ended short of them (False); fail on the timeout."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.done or self.tokens >= count, timeout)
+            assert self.done or self.tokens >= count, f"timed out waiting for {count} tokens, got {self.tokens}"
+            return self.tokens >= count
+
+    def result(self, timeout: float = 120.0) -> list[pb.GenerateStreamResponse]:
+        self._thread.join(timeout)
+        assert self.done, "the stream did not end"
+        if self.error is not None:
+            raise self.error
+        return self.msgs
 
 
 def test_health_reflection_and_model_info(server: Server) -> None:
@@ -151,22 +199,50 @@ def _invalid_cases(vocab: int, context: int) -> dict[str, tuple[pb.GenerationPar
 
 
 def test_invalid_inputs_are_rejected_while_others_stream(server: Server) -> None:
-    info = server.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-    long_params = ids_params([3, 4, 5], 150)
-    result: dict[str, list] = {}
-    runner = threading.Thread(target=lambda: result.setdefault("msgs", stream_all(server, long_params)))
-    runner.start()
-    time.sleep(0.2)
-    for name, (params, field) in _invalid_cases(info.vocab_size, info.context_length).items():
-        for call in (server.stub().GenerateStream, server.stub().Generate):
-            req_type = pb.GenerateStreamRequest if call == server.stub().GenerateStream else pb.GenerateRequest
-            with pytest.raises(grpc.RpcError) as err:
-                out = call(req_type(params=params), timeout=10)
-                list(out) if not isinstance(out, pb.GenerateResponse) else out
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-            assert field in err.value.details(), (name, err.value.details())
-    runner.join(120)
-    assert sum(len(m.token_ids) for m in result["msgs"]) == 150
+    """Every bad request is refused while another stream is in flight: that
+    stream has tokens before the bad request is sent and gets more after it is
+    refused. (A stream that ends meanwhile is replaced by a fresh one and the
+    bad request sent again, so the test holds whatever the relative speeds.)"""
+    max_tokens = 300
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        # Each RPC with its own request type, run to its end (a stream fails when read).
+        rpcs = [
+            ("GenerateStream",
+             lambda p: list(stub.GenerateStream(pb.GenerateStreamRequest(params=p), timeout=10))),
+            ("Generate", lambda p: stub.Generate(pb.GenerateRequest(params=p), timeout=10)),
+        ]
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        others: list[StreamConsumer] = []
+
+        def in_flight() -> StreamConsumer:
+            """The latest long stream, a new one if it has ended; it has streamed."""
+            if not others or others[-1].done:
+                others.append(StreamConsumer(stub.GenerateStream(
+                    pb.GenerateStreamRequest(params=ids_params([3, 4, 5], max_tokens)), timeout=120)))
+                assert others[-1].wait_for_tokens(1), others[-1].error
+            return others[-1]
+
+        try:
+            for name, (params, field) in _invalid_cases(info.vocab_size, info.context_length).items():
+                for rpc_name, rpc in rpcs:
+                    for _attempt in range(5):
+                        other = in_flight()
+                        with pytest.raises(grpc.RpcError) as err:
+                            rpc(params)
+                        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (rpc_name, name)
+                        assert field in err.value.details(), (rpc_name, name, err.value.details())
+                        if other.wait_for_tokens(other.tokens + 1):
+                            break         # the other stream went on after the rejection
+                    else:
+                        pytest.fail(f"every stream ended while {rpc_name} {name!r} was being rejected")
+            results = [other.result() for other in others]
+        finally:
+            for other in others:
+                other.call.cancel()       # no-op once it has ended
+    for msgs in results:
+        assert sum(len(m.token_ids) for m in msgs) == max_tokens
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_cancelled_stream_frees_its_blocks(server: Server) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client.client import Sampling, make_params
-from tests.server_harness import Server, health_status, running_server
-from tests.tiny_models import make_tiny_llama
+from jitney.v1 import generation_pb2 as pb
+from jitney.client.client import Sampling, make_params
+from bench.server_harness import Server, health_status, running_server
+from bench.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 

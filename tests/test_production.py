@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client.client import Sampling, make_params
-from scheduler.admission import AdmissionLimits, QueueFullError
-from tests.server_harness import Server, free_port, running_server
-from tests.tiny_models import make_tiny_llama
+from jitney.v1 import generation_pb2 as pb
+from jitney.client.client import Sampling, make_params
+from jitney.scheduler.admission import AdmissionLimits, QueueFullError
+from bench.server_harness import Server, free_port, running_server
+from bench.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.tiny_models import make_tiny_llama
-from client._generated.jitney.engine.v1 import engine_pb2 as pb
-from worker.config import WorkerConfig
-from worker.main import run_worker
-from worker.plan import PlanError
-from worker.runner import ModelRunner
+from bench.tiny_models import make_tiny_llama
+from jitney.engine.v1 import engine_pb2 as pb
+from jitney.worker.config import WorkerConfig
+from jitney.worker.main import run_worker
+from jitney.worker.plan import PlanError
+from jitney.worker.device import STEP_DEFAULTS
+from jitney.worker.runner import ModelRunner
 
 BLOCK = 4
 NUM_BLOCKS = 96
@@ -152,6 +153,42 @@ def test_a_plan_that_only_frees(runner: ModelRunner) -> None:
     assert result.step_id == 50 and not result.seq_ids and 1 not in runner.sequences
 
 
+def test_results_follow_the_plans_order(runner: ModelRunner) -> None:
+    """The step runs decodes first, but the result lists samples in plan order."""
+    alone = runner.execute(pb.StepPlan(step_id=1, new_sequences=[pb.NewSequence(seq_id=1)], chunks=[
+        pb.ScheduledChunk(seq_id=1, start_position=0, token_ids=[5, 6, 7], new_block_ids=[0], sample=True)]))
+    plan = pb.StepPlan(step_id=2, new_sequences=[pb.NewSequence(seq_id=2), pb.NewSequence(seq_id=3)], chunks=[
+        pb.ScheduledChunk(seq_id=2, start_position=0, token_ids=[9, 10, 11, 12, 13], new_block_ids=[1, 2],
+                          sample=True),
+        pb.ScheduledChunk(seq_id=1, start_position=3, last_token_from_sample=True, sample=True),
+        pb.ScheduledChunk(seq_id=3, start_position=0, token_ids=[14, 15], new_block_ids=[3], sample=False),
+    ])
+    result = runner.execute(plan)
+    assert list(alone.seq_ids) == [1] and list(result.seq_ids) == [2, 1]
+    assert len(result.token_ids) == len(result.logprobs) == 2
+
+
+def test_live_sequences_beyond_the_seats_are_refused(runner: ModelRunner, config: WorkerConfig) -> None:
+    seats = config.max_num_seqs
+    assert seats is not None
+    plan = pb.StepPlan(step_id=7, new_sequences=[pb.NewSequence(seq_id=100 + i) for i in range(seats + 1)])
+    with pytest.raises(PlanError, match="exceed max_num_seqs"):
+        runner.execute(plan)
+    assert runner.sequences == {}
+
+
+def test_ready_reports_the_step_limits_and_warm_up(runner: ModelRunner, config: WorkerConfig) -> None:
+    ready = runner.ready_message()
+    assert (ready.max_num_seqs, ready.max_num_batched_tokens) == (config.max_num_seqs, config.max_num_batched_tokens)
+    assert ready.warmup_seconds > 0
+    assert runner.sequences == {} and runner.batch.rows == {}  # the warm-up's sequences are gone
+
+
+def test_device_defaults_fill_unset_step_limits(model_dir: Path) -> None:
+    runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS))
+    assert (runner.limits.max_num_batched_tokens, runner.limits.max_num_seqs) == STEP_DEFAULTS["cpu"]
+
+
 def bad_plans() -> dict[str, pb.StepPlan]:
     """Each breaks one rule, given seq 1 known with 3 blocks and 11 computed tokens."""
     new = pb.NewSequence(seq_id=9, sampling=pb.SamplingConfig())
@@ -222,7 +259,7 @@ def test_worker_loop_over_zeromq(config: WorkerConfig, tmp_path: Path) -> None:
         plan.chunks.add(seq_id=1, start_position=0, token_ids=[1, 2, 3], new_block_ids=[0], sample=True)
         plans.send(pb.SchedulerMessage(plan=plan).SerializeToString())
         reply = pb.WorkerMessage.FromString(results.recv())
-        assert reply.result.step_id == 3 and list(reply.result.seq_ids) == [1] and reply.result.forward_seconds > 0
+        assert reply.result.step_id == 3 and list(reply.result.seq_ids) == [1] and reply.result.worker_seconds > 0
         plans.send(pb.SchedulerMessage(plan=plan).SerializeToString())  # seq 1 again: a bad plan
         assert "already known" in pb.WorkerMessage.FromString(results.recv()).error.message
         plans.send(pb.SchedulerMessage(shutdown=pb.Shutdown()).SerializeToString())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.sampler import SamplingBatch, _fmix32_, _mul32_, sample, uniform_noise
+from jitney.worker.input_batch import InputBatch, StepChunk
+from jitney.worker.sampler import SamplingBatch, _fmix32_, _mul32_, sample, uniform_noise
 
 CPU = torch.device("cpu")
 
@@ -132,3 +133,26 @@ def test_hash_matches_python_reference() -> None:
     for c in (0x85EBCA6B, 0xC2B2AE35, 12345):
         assert _mul32_(x.clone(), c, torch.empty_like(x)).tolist() == [(v * c) % 2**32 for v in x.tolist()]
     assert _fmix32_(x.clone()).tolist() == [fmix32(v) for v in x.tolist()]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_host_row_groups_sample_the_same_tokens(device: str) -> None:
+    """The CUDA path's row groups (staged from the host, full sort, no sync) give the CPU path's tokens."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    temperature, top_p, top_k = [0.0, 0.9, 0.7, 1.2, 0.5], [1.0, 1.0, 0.8, 1.0, 0.95], [0, 0, 0, 5, 40]
+    dev = torch.device(device)
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)).to(dev) * 3
+    params = SamplingBatch.from_lists(temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=[1, 2, 3, 4, 5], position=[7, 8, 9, 10, 11], device=dev)
+    batch = InputBatch(max_num_seqs=8, max_num_tokens=16, max_blocks_per_seq=2, block_size=4, device=dev)
+    for row, (t, p, k) in enumerate(zip(temperature, top_p, top_k)):
+        batch.add(row, t, p, k, seed=row + 1)
+    step = batch.stage([StepChunk(row, 0, [1], sample=True, plan_index=row) for row in range(5)])
+    _, staged_params, groups = batch.sampling(step)
+    assert groups.full_sort and groups.plain.tolist() == [1] and groups.filtered.tolist() == [2, 3, 4]
+    torch.testing.assert_close(staged_params.temperature, params.temperature)
+    assert torch.equal(staged_params.seed_lo, params.seed_lo) and torch.equal(staged_params.top_k, params.top_k)
+    got, want = sample(logits, params, groups), sample(logits, params)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from fake_worker import (FakeWorker, drive_step, make_request, reference_output,
-                         run_until_idle)
-from scheduler.config import SchedulerConfig
-from scheduler.plan import to_step_plan
-from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+                         run_until_idle, wire_plan)
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.plan import to_step_plan
+from jitney.scheduler.request import FinishReason, Request, RequestStatus
+from jitney.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from jitney.worker.plan import PlanError as RealPlanError
 
 
 def make(block_size: int = 4, num_blocks: int = 64, max_model_len: int = 64,
@@ -24,7 +28,7 @@ def make(block_size: int = 4, num_blocks: int = 64, max_model_len: int = 64,
                              max_num_batched_tokens=max_num_batched_tokens,
                              policy=policy,  # type: ignore[arg-type]
                              enable_prefix_caching=prefix_caching)
-    return Scheduler(config, eos_token_ids=eos), FakeWorker(num_blocks, block_size)
+    return Scheduler(config, eos_token_ids=eos), FakeWorker.for_config(config)
 
 
 def chunk_of(output: SchedulerOutput, request: Request) -> ScheduledChunk | None:
@@ -40,9 +44,47 @@ def assert_reference(*requests: Request) -> None:
 
 def test_scheduling_code_imports_without_torch() -> None:
     code = ("import sys\n"
-            "import scheduler.scheduler, scheduler.block_manager, scheduler.config, scheduler.plan\n"
+            "import jitney.scheduler.scheduler, jitney.scheduler.block_manager, jitney.scheduler.config, jitney.scheduler.plan\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fake_worker_runs_the_real_plan_checks_without_torch() -> None:
+    """The fake worker checks plans with the real jitney.worker.plan, and that
+    (like the fake) must stay importable without torch."""
+    code = ("import sys\n"
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import fake_worker, jitney.worker.plan as plan\n"
+            "assert fake_worker.validate_plan is plan.validate_plan\n"
+            "assert fake_worker.PlanError is plan.PlanError\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _break_block_id(plan: engine_pb2.StepPlan, w: FakeWorker) -> None:
+    plan.chunks[0].new_block_ids[0] = w.limits.num_blocks
+
+
+def _break_budget(plan: engine_pb2.StepPlan, w: FakeWorker) -> None:
+    plan.chunks[0].token_ids.extend([1] * w.limits.max_num_batched_tokens)
+
+
+def _break_context(plan: engine_pb2.StepPlan, w: FakeWorker) -> None:
+    plan.chunks[0].start_position = w.limits.context_length
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_break_block_id, "out of range"), (_break_budget, "max_num_batched_tokens"),
+    (_break_context, "context length")])
+def test_fake_worker_refuses_what_the_real_worker_refuses(
+        corrupt: Callable[[engine_pb2.StepPlan, FakeWorker], None], message: str) -> None:
+    s, w = make()
+    s.add_request(make_request(1, 5))
+    plan = wire_plan(s.schedule())
+    corrupt(plan, w)
+    with pytest.raises(RealPlanError, match=message):
+        w.execute(plan)
+    assert w.seqs == {} and w.holders == {}     # refused before anything was applied
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -10,9 +10,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import FinishReason
-from scheduler.scheduler import Scheduler
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.request import FinishReason
+from jitney.scheduler.scheduler import Scheduler
 from tests.fake_worker import FakeWorker, expected_token, make_request, reference_output, run_pipelined
 
 
@@ -21,7 +21,7 @@ def make(num_blocks: int = 64, block_size: int = 4, budget: int = 16, seats: int
     config = SchedulerConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                              max_num_seqs=seats, max_num_batched_tokens=budget,
                              enable_prefix_caching=prefix)
-    return Scheduler(config, eos_token_ids=eos), FakeWorker(num_blocks, block_size)
+    return Scheduler(config, eos_token_ids=eos), FakeWorker.for_config(config)
 
 
 def test_pipelined_decodes_use_placeholders_and_match_reference() -> None:

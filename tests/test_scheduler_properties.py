@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fake_worker import FakeWorker, drive_step, make_request, reference_output
-from scheduler.block_manager import cdiv
-from scheduler.config import SchedulerConfig
-from scheduler.request import FinishReason, Request
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from jitney.scheduler.block_manager import cdiv
+from jitney.scheduler.config import SchedulerConfig
+from jitney.scheduler.request import FinishReason, Request
+from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
 
 EOS = frozenset(range(0, 1000, 7))   # every request ignores it
 PREFIXES = ((5, 6, 7, 8, 9, 10, 11, 12), (5, 6, 7, 8, 40, 41, 42, 43), (13, 14, 15, 16))
@@ -83,7 +83,7 @@ class Harness:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.scheduler = Scheduler(config, eos_token_ids=EOS)
-        self.worker = FakeWorker(config.num_blocks, config.block_size)
+        self.worker = FakeWorker.for_config(config)
         self.requests: list[Request] = []
         self.cut: set[int] = set()
 

@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client.client import Sampling, make_params
-from scheduler.model_files import load_tokenizer, resolve_model
-from tests.server_harness import ROOT, running_server
+from jitney.v1 import generation_pb2 as pb
+from jitney.client.client import Sampling, make_params
+from jitney.common.model_files import load_tokenizer, resolve_model
+from bench.server_harness import ROOT, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def test_greedy_matches_transformers_under_chunking_and_preemption(server) -> No
 
 def test_generate_command_answers_the_capital_of_france(server) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "client.cli", "generate", "--target", server.target, "--chat", "--json",
+        [sys.executable, "-m", "jitney.cli", "generate", "--target", server.target, "--chat", "--json",
          "What is the capital of France?"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout
     result = json.loads(out)
@@ -88,7 +88,7 @@ def test_generate_command_answers_the_capital_of_france(server) -> None:
     assert result["finish_reason"] == "end_of_sequence"
     assert result["usage"]["completion_tokens"] == len(result["token_ids"])
     streamed = subprocess.run(
-        [sys.executable, "-m", "client.cli", "generate", "--target", server.target, "--chat",
+        [sys.executable, "-m", "jitney.cli", "generate", "--target", server.target, "--chat",
          "What is the capital of France?"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout
     assert streamed.strip() == "The capital of France is Paris."

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.server_harness import health_status, running_server
-from tests.soak import FINISHED, Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving
-from tests.tiny_models import make_tiny_llama
+from bench.server_harness import health_status, running_server
+from bench.soak_load import FINISHED, Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving
+from bench.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from worker.triton_attention import paged_attention  # noqa: E402
-from worker.triton_cache import write_kv_cache  # noqa: E402
+from jitney.worker.triton_attention import paged_attention  # noqa: E402
+from jitney.worker.triton_cache import write_kv_cache  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not triton.knobs.runtime.interpret:
@@ -179,8 +179,8 @@ COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from worker.triton_attention import _paged_attention_kernel as attn
-from worker.triton_cache import _write_kv_kernel as write
+from jitney.worker.triton_attention import _paged_attention_kernel as attn
+from jitney.worker.triton_cache import _write_kv_kernel as write
 
 def build(fn, types, consts, arch):
     names = fn.arg_names

@@ -1,8 +1,8 @@
 """The worker with the Triton backend (interpreted on CPU) vs the torch backend.
 
 Also the CUDA step's padding and sync-free sampling, with the graphs
-emulated (``DecodeGraphs(capture=False)`` runs the padded forward eagerly),
-and the backend choice.
+emulated (``DecodeGraphs(capture=False)`` runs the padded forward eagerly
+over the staging buffer), and the backend choice.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from client._generated.jitney.engine.v1 import engine_pb2 as pb  # noqa: E402
-from tests.tiny_models import make_tiny_llama  # noqa: E402
-from worker.backends import BackendUnavailableError, resolve_backend_name  # noqa: E402
-from worker.config import WorkerConfig  # noqa: E402
-from worker.cuda_graphs import CudaSteps, DecodeGraphs, capture_sizes  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
+from jitney.engine.v1 import engine_pb2 as pb  # noqa: E402
+from bench.tiny_models import make_tiny_llama  # noqa: E402
+from jitney.worker.backends import BackendUnavailableError, resolve_backend_name  # noqa: E402
+from jitney.worker.config import WorkerConfig  # noqa: E402
+from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from jitney.worker.runner import ModelRunner  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = {1: [5, 17, 42, 99, 3, 250, 7, 8, 11, 60, 61], 2: [300, 2, 19, 77, 140], 3: list(range(30, 53))}
@@ -83,13 +83,13 @@ def test_triton_backend_matches_torch_backend(config: WorkerConfig, torch_run: l
 def test_cuda_step_padding_and_sync_free_sampling(config: WorkerConfig, torch_run: list) -> None:
     """Decode steps of 3 sequences padded to the captured size 4 (graphs emulated on CPU)."""
     runner = ModelRunner(replace(config, attention_backend="triton"))
-    graphs = DecodeGraphs(runner.model, runner.cache, [1, 4], max_blocks=64, capture=DEVICE == "cuda")
-    runner.cuda_steps = CudaSteps(runner.model, runner.cache, graphs)
+    graphs = DecodeGraphs(runner.model, runner.cache, runner.batch, [1, 4], capture=DEVICE == "cuda")
+    runner.graphs = graphs
     padded = []
     logits = graphs.logits
-    graphs.logits = lambda step: padded.append(step.meta.num_seqs) or logits(step)  # type: ignore[method-assign]
+    graphs.logits = lambda size: padded.append(size) or logits(size)  # type: ignore[method-assign]
     assert_same_run(generate(runner), torch_run)
-    assert padded == [3, 3, 3]  # the decode-only steps took the graph path
+    assert padded == [4, 4, 4]  # the decode-only steps (3 sequences) took the graph path, padded to 4
 
 
 def test_capture_sizes() -> None:
@@ -113,7 +113,7 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_attention_backend_flag() -> None:
     import argparse
 
-    from worker.config import add_worker_arguments
+    from jitney.worker.config import add_worker_arguments
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)

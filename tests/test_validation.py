@@ -11,9 +11,9 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from scheduler.model_files import load_tokenizer, resolve_model
-from scheduler.validation import (
+from jitney.v1 import generation_pb2 as pb
+from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.scheduler.validation import (
     InvalidRequestError,
     ModelLimits,
     ValidatedRequest,

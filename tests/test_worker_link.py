@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from scheduler.worker_link import WorkerLink, WorkerLinkError, WorkerLostError
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.worker_link import WorkerLink, WorkerLinkError, WorkerLostError
 
 
 def _ready(pid: int = 4242) -> bytes:
@@ -138,8 +138,8 @@ def test_real_worker_answers_garbage_with_step_errors_and_keeps_serving(tmp_path
     import subprocess
     import sys
 
-    from tests.server_harness import ROOT
-    from tests.tiny_models import make_tiny_llama
+    from bench.server_harness import ROOT
+    from bench.tiny_models import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny")
     ctx = zmq.Context()
@@ -149,7 +149,7 @@ def test_real_worker_answers_garbage_with_step_errors_and_keeps_serving(tmp_path
     results.bind(result_addr)
     results.setsockopt(zmq.RCVTIMEO, 60_000)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "worker", "--model", str(model), "--num-blocks", "8",
+        [sys.executable, "-m", "jitney.cli", "worker", "--model", str(model), "--num-blocks", "8",
          "--dtype", "float32", "--plan-addr", plan_addr, "--result-addr", result_addr], cwd=ROOT)
 
     def reply() -> engine_pb2.WorkerMessage:

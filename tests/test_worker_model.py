@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
-from worker.cpu_linear import PackedLinear, pack_linears, packing_supported
-from worker.attention import AttentionMetadata
-from worker.kv_cache import CacheGeometry, PagedKVCache
-from worker.loader import UnsupportedModelError, load_hf_config, load_model, model_config_from_hf
-from worker.model import CausalLM
+from bench.tiny_models import make_tiny_llama, make_tiny_qwen2
+from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
+from jitney.worker.attention import AttentionMetadata
+from jitney.worker.kv_cache import CacheGeometry, PagedKVCache
+from jitney.worker.loader import UnsupportedModelError, load_hf_config, load_model, model_config_from_hf
+from jitney.worker.model import CausalLM
 
 CPU = torch.device("cpu")
 TINY_ATOL = 1e-4
@@ -155,7 +155,7 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(str(tmp_path))
-    from scheduler.model_files import resolve_model
+    from jitney.common.model_files import resolve_model
 
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         model_config_from_hf(load_hf_config(resolve_model(tmp_path)))
@@ -171,7 +171,7 @@ def test_model_facts_and_length_cap(tmp_path: Path) -> None:
 def smollm2() -> tuple[CausalLM, torch.nn.Module, list[int]]:
     from transformers import AutoModelForCausalLM
 
-    from scheduler.model_files import load_tokenizer, resolve_model
+    from jitney.common.model_files import load_tokenizer, resolve_model
 
     files = resolve_model(None)
     net, facts = load_model(None, torch.float32, CPU)
@@ -194,10 +194,9 @@ def test_default_gguf_model_matches_transformers(smollm2: tuple[CausalLM, torch.
 @pytest.mark.slow
 def test_default_gguf_model_in_bfloat16(smollm2: tuple[CausalLM, torch.nn.Module, list[int]]) -> None:
     net, ref, ids = smollm2
-    # A cast copy instead of a second slow GGUF load; rope stays float32,
-    # as load_model keeps it.
+    # A cast copy instead of a second slow GGUF load (rope's inv_freq is a
+    # plain float32 tensor, not a module buffer: the cast leaves it).
     net16 = copy.deepcopy(net).to(torch.bfloat16)
-    net16.rotary.float()
     got = run_chunks(net16, new_cache(net16, 16, dtype=torch.bfloat16), ids, [len(ids)], [1, 2, 3])
     want = hf_logits(ref, ids)
     assert got[-1].argmax() == want[-1].argmax()

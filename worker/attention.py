@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,10 @@ class AttentionMetadata:
       query_start_loc_host, seq_lens_host: the same values as Python ints,
         so the prefill path slices without device syncs.
       block_size: tokens per cache block.
-      decode_groups: the decodes split into contiguous runs attended one
-        call each, so a short sequence is not padded to the batch's longest
-        (see ``plan_decode_groups``); built once per step, used by every layer.
+      decode_groups: the CPU backend's plan: the decodes split into
+        contiguous runs attended one call each, so a short sequence is not
+        padded to the batch's longest (see ``plan_decode_groups``); set by
+        ``TorchPagedAttention.prepare`` once per step, used by every layer.
     """
 
     slot_mapping: torch.Tensor
@@ -54,6 +55,7 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     block_size: int
     decode_groups: tuple[DecodeGroup, ...] = ()
+    prepared: bool = False  # the backend's ``prepare`` ran (it runs once per step)
 
     @property
     def num_seqs(self) -> int:
@@ -69,7 +71,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        """Build from per-sequence host lists.
+        """Build from per-sequence host lists (tests and the memory profile;
+        the runner stages its steps through ``InputBatch`` instead).
 
         The leading sequences with one query token are the batched decodes;
         put all of them first (a later one-token chunk still works, through
@@ -91,20 +94,15 @@ class AttentionMetadata:
         def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        tables = tensor(padded).view(len(seq_lens), width)
-        lens = tensor(seq_lens)
         return cls(
             slot_mapping=tensor(slots),
             query_start_loc=tensor(starts),
-            seq_lens=lens,
-            block_tables=tables,
+            seq_lens=tensor(seq_lens),
+            block_tables=tensor(padded).view(len(seq_lens), width),
             num_decodes=num_decodes,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
             block_size=block_size,
-            decode_groups=tuple(
-                DecodeGroup.build(start, end, seq_lens, tables, lens, block_size)
-                for start, end in plan_decode_groups(seq_lens[:num_decodes], block_size)),
         )
 
 
@@ -143,24 +141,37 @@ def plan_decode_groups(seq_lens: list[int], block_size: int) -> list[tuple[int, 
 
     Exact dynamic programme over the given order (the runner sorts decodes
     by length, which makes contiguous runs the right shape); n <= max seats.
+    Neighbours with the same padded length are never split (moving one to
+    the group with the smaller maximum never costs more), so the programme
+    runs over runs of equal lengths: far fewer than n in practice.
     """
-    n = len(seq_lens)
-    if n == 0:
+    if not seq_lens:
         return []
-    padded = [math.ceil(s / block_size) * block_size for s in seq_lens]
-    best = [0.0] + [math.inf] * n     # best[j]: cost of decodes [0, j)
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = 0
-        for i in range(j - 1, -1, -1):   # last group is [i, j)
-            longest = max(longest, padded[i])
-            cost = best[i] + (j - i) * longest + GROUP_COST_SLOTS
+    runs: list[list[int]] = []   # [padded length, count]
+    for s in seq_lens:
+        padded = math.ceil(s / block_size) * block_size
+        if runs and runs[-1][0] == padded:
+            runs[-1][1] += 1
+        else:
+            runs.append([padded, 1])
+    r = len(runs)
+    best = [0.0] + [math.inf] * r     # best[j]: cost of runs [0, j)
+    cut = [0] * (r + 1)
+    for j in range(1, r + 1):
+        longest, count = 0, 0
+        for i in range(j - 1, -1, -1):   # last group is runs [i, j)
+            longest = max(longest, runs[i][0])
+            count += runs[i][1]
+            cost = best[i] + count * longest + GROUP_COST_SLOTS
             if cost < best[j]:
                 best[j], cut[j] = cost, i
+    starts = [0]
+    for _, n in runs:
+        starts.append(starts[-1] + n)
     groups = []
-    j = n
+    j = r
     while j > 0:
-        groups.append((cut[j], j))
+        groups.append((starts[cut[j]], starts[j]))
         j = cut[j]
     return groups[::-1]
 
@@ -179,8 +190,22 @@ def _slot_mapping(
 class AttentionBackend(ABC):
     """How K/V reach the paged cache and how queries attend over it.
 
-    A CUDA backend (Triton kernels) implements the same two calls.
+    A CUDA backend (Triton kernels) implements the same calls.
     """
+
+    graph_safe: bool = False
+    """True when ``write_kv``/``attend`` read no host value of the metadata
+    but the grid (``num_seqs``, ``num_decodes``, query lengths), so a
+    decode step can be captured in a CUDA graph and replayed with new
+    device values. The model also runs its fused Triton layer ops then."""
+
+    checking: bool = True
+    """Whether calls check their arguments: the model sets it for the first
+    layer of a step only (the other layers pass the same shapes)."""
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Per-step planning, once before the first layer (default: none)."""
+        return meta
 
     @abstractmethod
     def write_kv(
@@ -260,6 +285,16 @@ class TorchPagedAttention(AttentionBackend):
     ``(n, max_len, kvh, d)`` tensor and attended in one call. Prefill chunks
     are attended one sequence at a time.
     """
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Plan the decodes' runs (``meta.decode_groups``) from host lengths."""
+        if meta.prepared:
+            return meta
+        n = meta.num_decodes
+        groups = tuple(
+            DecodeGroup.build(start, end, list(meta.seq_lens_host), meta.block_tables, meta.seq_lens, meta.block_size)
+            for start, end in plan_decode_groups(list(meta.seq_lens_host[:n]), meta.block_size))
+        return replace(meta, decode_groups=groups, prepared=True)
 
     def write_kv(
         self,

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from worker.attention import AttentionBackend, TorchPagedAttention
+from jitney.worker.attention import AttentionBackend, TorchPagedAttention
 
 logger = logging.getLogger("jitney.worker")
 
@@ -51,7 +51,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend instance for the config's ``attention_backend`` on ``device``."""
     if resolve_backend_name(name, device) == "torch":
         return TorchPagedAttention()
-    from worker.triton_attention import TritonPagedAttention
+    from jitney.worker.triton_attention import TritonPagedAttention
 
     return TritonPagedAttention()
 

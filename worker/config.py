@@ -39,9 +39,10 @@ class WorkerConfig:
         both are ``None`` the cache takes 2 GiB on CPU, or 90% of the GPU
         memory left free after loading the model on CUDA.
       max_num_batched_tokens: most tokens in one fused step (the scheduler's
-        token budget); a plan over it is rejected.
-      max_num_seqs: most sequences in one fused step; a plan over it is
-        rejected.
+        token budget); a plan over it is rejected. ``None``: the device's
+        default (``device.STEP_DEFAULTS``: 512 on CPU, 2048 on CUDA).
+      max_num_seqs: most sequences alive (and in one fused step); a plan
+        over it is rejected. ``None``: 64 on CPU, 256 on CUDA.
       plan_addr: ZeroMQ endpoint the worker connects its PULL socket to
         (step plans come in here). ``None`` only until the launcher fills it.
       result_addr: ZeroMQ endpoint the worker connects its PUSH socket to
@@ -59,8 +60,8 @@ class WorkerConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_gib: float | None = None
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     plan_addr: str | None = None
     result_addr: str | None = None
     threads: int | None = None
@@ -80,15 +81,18 @@ class WorkerConfig:
             )
         if self.num_blocks is not None and self.kv_cache_gib is not None:
             raise ValueError("num_blocks and kv_cache_gib are mutually exclusive")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("num_blocks", "threads", "max_model_len"):
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        for name in ("num_blocks", "threads", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): every seat must be able to decode in one step")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> WorkerConfig:
@@ -150,10 +154,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-cache-gib", dest="kv_cache_gib", type=_positive_float, default=None,
                       help="KV-cache size in GiB (default: 2 on CPU, 90%% of free GPU memory on CUDA)")
     group.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens",
-                       type=_positive_int, default=512,
-                       help="token budget of one step (default: 512)")
-    group.add_argument("--max-num-seqs", dest="max_num_seqs", type=_positive_int, default=64,
-                       help="most sequences in one step (default: 64)")
+                       type=_positive_int, default=None,
+                       help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")
+    group.add_argument("--max-num-seqs", dest="max_num_seqs", type=_positive_int, default=None,
+                       help="seats: most sequences running at once (default: 64 on CPU, 256 on CUDA)")
     group.add_argument("--plan-addr", dest="plan_addr", default=None,
                        help="ZeroMQ endpoint to pull step plans from (connect)")
     group.add_argument("--result-addr", dest="result_addr", default=None,

@@ -32,26 +32,29 @@ class CacheGeometry:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
-def num_blocks_for(
+def size_cache(
     geometry: CacheGeometry,
     device: torch.device,
     *,
     num_blocks: int | None,
     kv_cache_gib: float | None,
+    reserve_bytes: int = 0,
 ) -> int:
     """How many blocks to allocate.
 
     Exactly ``num_blocks`` if given; else as many as fit in ``kv_cache_gib``;
-    else 2 GiB on CPU, or 90% of the GPU memory still free (call this after
-    the model is loaded, so its weights are already counted as used).
+    else 2 GiB on CPU. On CUDA: the memory free now (call it after the model
+    is loaded and the activations' profile ran, so both are counted as
+    used), less ``1 - GPU_MEMORY_FRACTION`` of the card (headroom) and less
+    ``reserve_bytes`` (what the CUDA graphs captured later will take).
     """
     if num_blocks is not None:
         return num_blocks
     if kv_cache_gib is not None:
         budget = int(kv_cache_gib * GIB)
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_MEMORY_FRACTION)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1 - GPU_MEMORY_FRACTION) * total) - reserve_bytes
     else:
         budget = int(DEFAULT_CPU_CACHE_GIB * GIB)
     blocks = budget // geometry.bytes_per_block()

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from scheduler.model_files import ModelFiles, load_tokenizer, resolve_model
-from worker.cpu_linear import PackedLinear, pack_linears, packing_supported
-from worker.model import CausalLM, ModelConfig, RopeScaling
+from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
+from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
+from jitney.worker.model import CausalLM, ModelConfig, RopeScaling
 
 logger = logging.getLogger("jitney.worker")
 

@@ -23,10 +23,10 @@ from types import FrameType
 import zmq
 from google.protobuf.message import DecodeError
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from worker.config import WorkerConfig, add_worker_arguments
-from worker.plan import PlanError
-from worker.runner import ModelRunner
+from jitney.engine.v1 import engine_pb2
+from jitney.worker.config import WorkerConfig, add_worker_arguments
+from jitney.worker.plan import PlanError
+from jitney.worker.runner import ModelRunner
 
 logger = logging.getLogger("jitney.worker")
 
@@ -112,7 +112,7 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # t
             continue
         reply = _execute(runner, message.plan)
         if reply.HasField("result"):
-            reply.result.forward_seconds = time.perf_counter() - received
+            reply.result.worker_seconds = time.perf_counter() - received
         _send(push, reply)
 
 

@@ -1,9 +1,12 @@
 """Jitney's Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
 
-Read top to bottom: config, RMSNorm, rotary embedding, attention over the
+Read top to bottom: config, RMSNorm, rotary frequencies, attention over the
 paged cache, SwiGLU MLP, decoder layer, model. The forward pass takes the
 flattened tokens of a whole fused step; logits are computed separately and
-only at the positions that sample.
+only at the positions that sample. The elementwise work between the matmuls
+(norms with their residual adds, rotary + cache write, SiLU * up) goes
+through ``layer_ops``: plain torch on the CPU, fused Triton kernels with the
+Triton attention backend.
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
@@ -18,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from worker.kv_cache import PagedKVCache
+from jitney.worker.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from jitney.worker.kv_cache import PagedKVCache
+from jitney.worker.layer_ops import TorchLayerOps, rms_norm_torch
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back before the weight, as the reference models do.
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -90,28 +91,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(medium, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the step's positions, computed on the fly (no cache)."""
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x (T, heads, d)`` by position, in the half-split layout of HF."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
@@ -127,19 +106,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, ...],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        ops: TorchLayerOps,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), *rope)  # (T, nh, d)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), *rope)  # (T, kvh, d)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
-        backend.write_kv(k, v, kv[0], kv[1], meta)
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 kvh) d)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        q = ops.rope_and_cache(qkv, rope, kv, meta, backend, heads)  # (T, nh, d); k, v now in the cache
         out = backend.attend(q, kv[0], kv[1], meta, self.scale)  # (T, nh, d)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -150,13 +127,19 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then MLP.
+
+    The residual stream travels beside the layer's output (``x``, ``residual``)
+    so that each residual add is fused with the norm that follows it:
+
+        # layer in:  x = previous MLP output (or the embeddings), residual = stream so far (None at layer 0)
+        # layer out: x = this MLP's output,                    residual = stream before that output
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -168,13 +151,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ops: TorchLayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm1.weight, norm1.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn(h, rope, kv, meta, backend, ops)
+        h, residual = ops.add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp(h, ops), residual
 
 
 class Decoder(nn.Module):
@@ -195,7 +186,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.backend = backend if backend is not None else TorchPagedAttention()
         self.model = Decoder(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # The elementwise work between matmuls; ``use_backend`` picks the fused ops for Triton.
+        self.ops = TorchLayerOps(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         # None: tied to the embedding (until a packed copy takes its place).
         self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
@@ -211,11 +203,26 @@ class CausalLM(nn.Module):
 
         Writes the tokens' K/V into ``kv_cache`` at ``meta.slot_mapping``.
         """
+        meta = self.backend.prepare(meta)  # once per step, for every layer
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.rotary(positions, x.dtype)
+        rope = self.ops.rope_inputs(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_cache.layer(i), meta, self.backend)
-        return x
+            self.ops.checking = self.backend.checking = i == 0  # later layers have the same shapes
+            x, residual = layer(x, residual, rope, kv_cache.layer(i), meta, self.backend, self.ops)
+        self.ops.checking = self.backend.checking = True
+        assert residual is not None
+        return x + residual
+
+    def use_backend(self, backend: AttentionBackend, max_positions: int) -> None:
+        """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops."""
+        self.backend = backend
+        if backend.graph_safe:
+            from jitney.worker.layer_ops import TritonLayerOps
+
+            self.ops = TritonLayerOps(self.ops.inv_freq, max_positions)
+        else:
+            self.ops = TorchLayerOps(self.ops.inv_freq)
 
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
@@ -238,7 +245,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             prefix, _, leaf = name.rpartition(".")
             setattr(self.get_submodule(prefix), leaf, nn.Parameter(tensor, requires_grad=False))
-        self.rotary.to(device)
+        self.ops = TorchLayerOps(self.ops.inv_freq.to(device))
         self.eval()
 
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from client._generated.jitney.engine.v1 import engine_pb2
+from jitney.engine.v1 import engine_pb2
 
 
 class PlanError(ValueError):
@@ -67,6 +67,8 @@ def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState], 
     prefix = f"step {plan.step_id}: "
     try:
         table_lens = _check_diffs(plan, seqs)
+        if len(table_lens) > limits.max_num_seqs:
+            raise PlanError(f"{len(table_lens)} live sequences exceed max_num_seqs {limits.max_num_seqs}")
         _check_chunks(plan, table_lens, limits, seqs)
     except PlanError as err:
         raise PlanError(prefix + str(err)) from None

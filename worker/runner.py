@@ -1,8 +1,11 @@
 """The model runner: the only code that touches the device.
 
-It executes step plans exactly as given: applies the plan's diffs to its
-per-sequence state, runs one forward over the flattened tokens of all
-chunks, and samples where the plan asks.
+It executes step plans exactly as given: checks the plan, applies its diffs
+to the per-sequence state and the persistent batch (``input_batch.py``),
+stages the step's inputs in one host-to-device copy, runs one forward over
+the flattened tokens of all chunks (a captured CUDA graph for decode-only
+steps on CUDA), and samples where the plan asks. The step's one host sync
+is the copy of the sampled ids and logprobs.
 """
 
 from __future__ import annotations
@@ -10,73 +13,73 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from client._generated.jitney.engine.v1 import engine_pb2
-from worker.attention import AttentionMetadata
-from worker.backends import make_attention_backend
-from worker.config import WorkerConfig
-from worker.cuda_graphs import make_cuda_steps
-from worker.device import dtype_name, resolve_device, resolve_dtype
-from worker.kv_cache import CacheGeometry, PagedKVCache, num_blocks_for
-from worker.loader import load_model
-from worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
-from worker.sampler import SamplingBatch, sample
+from jitney.engine.v1 import engine_pb2
+from jitney.worker.backends import make_attention_backend
+from jitney.worker.config import WorkerConfig
+from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from jitney.worker.device import dtype_name, resolve_device, resolve_dtype, step_defaults
+from jitney.worker.input_batch import InputBatch, StepChunk
+from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
+from jitney.worker.loader import load_model
+from jitney.worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
+from jitney.worker.sampler import RowGroups, sample
+from jitney.worker.warmup import profile_activations, warm_up
 
 logger = logging.getLogger("jitney.worker")
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    """One fused step, flattened (decodes first) and ready for the model."""
-
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # (S,) rows of the hidden states to sample, plan order
-    sampled_seq_ids: list[int]  # (S,) plan order
-    sampling: SamplingBatch | None
-
-
 class ModelRunner:
-    """Owns the model, the paged KV cache and per-sequence state."""
+    """Owns the model, the paged KV cache and the persistent batch.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    ``capture_graphs``: None = on CUDA with a graph-safe backend; False runs
+    every step eagerly; a ``DecodeGraphs`` may also be set afterwards
+    (tests emulate graphs on the CPU that way).
+    """
+
+    def __init__(self, config: WorkerConfig, *, capture_graphs: bool | None = None, warm: bool = True) -> None:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.config = config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len)
-        self.model.backend = make_attention_backend(config.attention_backend, self.device)
+        loaded = time.perf_counter()
+        self.model.use_backend(make_attention_backend(config.attention_backend, self.device), self.facts.context_length)
+        max_tokens, max_seqs = step_defaults(config, self.device)
         cfg = self.model.config
         geometry = CacheGeometry(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        num_blocks = num_blocks_for(
-            geometry, self.device, num_blocks=config.num_blocks, kv_cache_gib=config.kv_cache_gib
-        )
+        reserve = profile_activations(self.model, geometry, self.device, max_tokens, max_seqs,
+                                      self.facts.context_length)
+        num_blocks = size_cache(geometry, self.device, num_blocks=config.num_blocks,
+                                kv_cache_gib=config.kv_cache_gib, reserve_bytes=reserve.graphs)
         self.cache = PagedKVCache(geometry, num_blocks, self.device)
-        self.limits = PlanLimits(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            context_length=self.facts.context_length,
-            vocab_size=self.facts.vocab_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-        )
+        self.limits = PlanLimits(num_blocks=num_blocks, block_size=config.block_size,
+                                 context_length=self.facts.context_length, vocab_size=self.facts.vocab_size,
+                                 max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs)
         self.sequences: dict[int, SequenceState] = {}
-        # CUDA only (None on CPU): decode steps replay CUDA graphs, sampling never syncs.
-        self.cuda_steps = make_cuda_steps(
-            self.model, self.cache, max_num_seqs=config.max_num_seqs, context_length=self.facts.context_length
-        )
+        self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
+                                max_blocks_per_seq=-(-self.facts.context_length // config.block_size),
+                                block_size=config.block_size, device=self.device)
+        if capture_graphs is None:
+            capture_graphs = self.device.type == "cuda" and self.model.backend.graph_safe
+        self.graphs = (DecodeGraphs(self.model, self.cache, self.batch, capture_sizes(max_seqs))
+                       if capture_graphs else None)
+        if warm:
+            warm_up(self)
+        self.warmup_seconds = time.perf_counter() - loaded
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
-            num_blocks, config.block_size, self.cache.nbytes / 2**30, dtype_name(self.dtype),
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s); step budget %d tokens, %d seats; "
+            "activations %.2f GiB, CUDA graphs %.2f GiB reserved (%.2f GiB captured); warm-up %.1f s",
+            num_blocks, config.block_size, self.cache.nbytes / 2**30, dtype_name(self.dtype), max_tokens, max_seqs,
+            reserve.activations / 2**30, reserve.graphs / 2**30,
+            (self.graphs.pool_bytes if self.graphs else 0) / 2**30, self.warmup_seconds,
         )
 
     def ready_message(self) -> engine_pb2.Ready:
-        """The handshake: model facts and cache geometry."""
+        """The handshake: model facts, cache geometry and the step limits."""
         return engine_pb2.Ready(
             protocol_version=engine_pb2.PROTOCOL_VERSION_1,
             model_name=self.facts.name,
@@ -88,75 +91,105 @@ class ModelRunner:
             dtype=dtype_name(self.dtype),
             device=str(self.device),
             worker_pid=os.getpid(),
+            max_num_seqs=self.limits.max_num_seqs,
+            max_num_batched_tokens=self.limits.max_num_batched_tokens,
+            warmup_seconds=self.warmup_seconds,
         )
 
     @torch.inference_mode()
     def execute(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
         """Run one step. Raises ``PlanError`` (state untouched) on a bad plan."""
-        started = time.perf_counter()
         validate_plan(plan, self.sequences, self.limits)
-        apply_plan_diffs(plan, self.sequences)
+        self._apply(plan)
         result = engine_pb2.StepResult(step_id=plan.step_id)
-        if plan.chunks and self.cuda_steps is not None:
-            self.cuda_steps.execute(self._prepare(list(plan.chunks)), self.sequences, result)
-        elif plan.chunks:
-            batch = self._prepare(list(plan.chunks))
-            model_started = time.perf_counter()
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.cache)
-            if batch.sampling is not None:
-                logits = self.model.compute_logits(hidden, batch.sample_indices)
-            result.model_seconds = time.perf_counter() - model_started
-            if batch.sampling is not None:
-                tokens, logprobs = sample(logits, batch.sampling)
-                sampled_tokens = tokens.tolist()
-                for seq_id, token in zip(batch.sampled_seq_ids, sampled_tokens):
-                    self.sequences[seq_id].last_sampled = token
-                result.seq_ids.extend(batch.sampled_seq_ids)
-                result.token_ids.extend(sampled_tokens)
-                result.logprobs.extend(logprobs.tolist())
-        result.forward_seconds = time.perf_counter() - started
+        if plan.chunks:
+            self._run(self._chunks(plan), result)
         return result
 
-    def _prepare(self, chunks: list[engine_pb2.ScheduledChunk]) -> StepBatch:
-        # Decodes (one-token chunks) first: the attention backend batches them.
-        tokens = [chunk_tokens(c, self.sequences[c.seq_id]) for c in chunks]
-        # Decodes first, shortest context first: the attention backend batches
-        # them in runs of similar length.
-        order = sorted(range(len(chunks)),
-                       key=lambda i: (len(tokens[i]) != 1, chunks[i].start_position))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        last_token: dict[int, int] = {}  # plan index -> flat row of its last token
-        for i in order:
-            start = chunks[i].start_position
-            input_ids.extend(tokens[i])
-            positions.extend(range(start, start + len(tokens[i])))
-            last_token[i] = len(input_ids) - 1
-        meta = AttentionMetadata.build(
-            query_lens=[len(tokens[i]) for i in order],
-            seq_lens=[chunks[i].start_position + len(tokens[i]) for i in order],
-            block_tables=[self.sequences[chunks[i].seq_id].block_table for i in order],
-            block_size=self.limits.block_size,
-            device=self.device,
-        )
-        sampled = [i for i in range(len(chunks)) if chunks[i].sample]
-        return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta=meta,
-            sample_indices=torch.tensor([last_token[i] for i in sampled], dtype=torch.int64, device=self.device),
-            sampled_seq_ids=[chunks[i].seq_id for i in sampled],
-            sampling=self._sampling([chunks[i] for i in sampled]) if sampled else None,
-        )
+    def _apply(self, plan: engine_pb2.StepPlan) -> None:
+        """The plan's diffs, to the sequence states and to the persistent batch's rows."""
+        apply_plan_diffs(plan, self.sequences)
+        for sid in plan.freed_seq_ids:
+            self.batch.remove(sid)
+        for new in plan.new_sequences:
+            s = self.sequences[new.seq_id]
+            self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed)
+        for chunk in plan.chunks:
+            self.batch.extend_blocks(chunk.seq_id, list(chunk.new_block_ids))
 
-    def _sampling(self, chunks: list[engine_pb2.ScheduledChunk]) -> SamplingBatch:
-        states = [self.sequences[c.seq_id] for c in chunks]
-        return SamplingBatch.from_lists(
-            temperature=[s.temperature for s in states],
-            top_p=[s.top_p for s in states],
-            top_k=[s.top_k for s in states],
-            seed=[s.seed for s in states],
-            # The token sampled after a chunk lands at the position after it.
-            position=[c.start_position + len(c.token_ids) + c.last_token_from_sample for c in chunks],
-            device=self.device,
-        )
+    def _chunks(self, plan: engine_pb2.StepPlan) -> list[StepChunk]:
+        """The plan's chunks, decodes first and shortest context first (the CPU
+        attention backend batches decodes in runs of similar length)."""
+        chunks = [StepChunk(c.seq_id, c.start_position, chunk_tokens(c, self.sequences[c.seq_id]), c.sample, i)
+                  for i, c in enumerate(plan.chunks)]
+        chunks.sort(key=lambda c: (len(c.tokens) != 1, c.start))
+        return chunks
+
+    def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult) -> None:
+        size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        step = self.batch.stage(chunks, pad_seqs_to=size or 0)
+        # Attention metadata (and the CPU backend's plan) before the model's clock starts.
+        meta = self.model.backend.prepare(self.batch.step_metadata(step)) if size is None else None
+        timer = _ModelTimer(self.device)
+        if size is not None:
+            assert self.graphs is not None
+            logits = self.graphs.logits(size)
+            sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
+            if sample_tokens is not None:
+                logits = logits.index_select(0, sample_tokens)
+        else:
+            assert meta is not None
+            hidden = self.model(self.batch.region("input_ids", step.num_tokens),
+                                self.batch.region("positions", step.num_tokens), meta, self.cache)
+            sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
+            logits = self.model.compute_logits(hidden, sample_tokens) if sample_tokens is not None else hidden
+        timer.stop()
+        if params is None or groups is None:
+            timer.sync()
+            result.model_seconds = timer.seconds()
+            return
+        if self.device.type != "cuda":
+            groups = RowGroups(groups.plain, groups.filtered, full_sort=False)  # CPU: no sync to save
+        tokens, logprobs = _to_host(*sample(logits, params, groups))
+        result.model_seconds = timer.seconds()
+        for seq_id, token in zip(step.sampled_seq_ids, tokens):
+            self.sequences[seq_id].last_sampled = token
+        result.seq_ids.extend(step.sampled_seq_ids)
+        result.token_ids.extend(tokens)
+        result.logprobs.extend(logprobs)
+
+
+class _ModelTimer:
+    """Time of forward + logits: host time on the CPU, GPU time between two events on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.started = time.perf_counter()
+        self.elapsed = 0.0
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end_event.record()
+        else:
+            self.elapsed = time.perf_counter() - self.started
+
+    def sync(self) -> None:
+        """Wait for the device (a step that samples nothing has no other sync)."""
+        if self.cuda:
+            self.end_event.synchronize()
+
+    def seconds(self) -> float:
+        """Call after the device passed ``stop`` (the results' copy, or ``sync``)."""
+        if self.cuda:
+            return self.start_event.elapsed_time(self.end_event) / 1000
+        return self.elapsed
+
+
+def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Both result vectors in one device-to-host copy (float64 holds the ids exactly)."""
+    packed = torch.stack((tokens.double(), logprobs.double())).cpu()
+    return [int(t) for t in packed[0].tolist()], packed[1].tolist()

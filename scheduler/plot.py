@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from scheduler.trace import read_trace
+from jitney.scheduler.trace import read_trace
 
 
 def assign_seats(steps: list[dict[str, Any]]) -> tuple[list[list[int]], int]:

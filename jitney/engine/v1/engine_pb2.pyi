@@ -75,7 +75,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid")
+    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,9 @@ class Ready(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_name: str
     vocab_size: int
@@ -96,23 +99,26 @@ class Ready(_message.Message):
     dtype: str
     device: str
     worker_pid: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    warmup_seconds: float
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "model_seconds")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "worker_seconds", "model_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    forward_seconds: float
+    worker_seconds: float
     model_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., worker_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("step_id", "message")

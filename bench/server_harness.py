@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client._generated.jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
     """Run `jitney <command> --port P <args>` until the block ends."""
     port = free_port()
     log_path = log_dir / f"jitney-{command}-{port}.log"
-    cmd = [sys.executable, "-m", "client.cli", command, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "jitney.cli", command, "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

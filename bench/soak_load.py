@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2
 
-from client._generated.jitney.v1 import generation_pb2 as pb
-from client.client import Sampling, make_params
-from tests.server_harness import Server, health_status
+from jitney.v1 import generation_pb2 as pb
+from jitney.client.client import Sampling, make_params
+from bench.server_harness import Server, health_status
 
 FINISHED = "finished"
 SC = grpc.StatusCode

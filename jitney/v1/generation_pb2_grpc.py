@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from client._generated.jitney.v1 import generation_pb2 as jitney_dot_v1_dot_generation__pb2
+from jitney.v1 import generation_pb2 as jitney_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,0 +1,98 @@
+"""The `jitney` command: one entry point that dispatches to the parts.
+
+``serve``, ``scheduler`` and ``worker`` run ``jitney.scheduler`` and
+``jitney.worker``; ``generate``, ``health`` and ``bench`` are
+``jitney.client``'s; ``plot`` draws step traces (``jitney.scheduler.plot``).
+Every part is imported only inside the function that needs it, so the client
+library never pulls in the server's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import cast
+
+from jitney.client.cli import CLIENT_COMMANDS, add_client_parsers, run as run_client_command
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from jitney.scheduler.main import add_scheduler_arguments
+    from jitney.worker.config import add_worker_arguments
+
+    serve = sub.add_parser("serve", help="run the scheduler and one worker (the usual way)")
+    add_worker_arguments(serve)
+    add_scheduler_arguments(serve, with_shared=False)
+    from jitney.scheduler.supervisor import add_supervisor_arguments
+
+    add_supervisor_arguments(serve)
+    sched = sub.add_parser("scheduler", help="run the scheduler process alone (gRPC + scheduling)")
+    add_scheduler_arguments(sched)
+    work = sub.add_parser("worker", help="run the worker process alone (model + KV cache)")
+    add_worker_arguments(work)
+    for p in (serve, sched, work):
+        p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def _plot_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    plot = sub.add_parser("plot", help="draw the seat chart of step traces (serve --trace)")
+    plot.add_argument("traces", nargs="+", type=Path, help="trace files (JSONL), one column each")
+    plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    plot.add_argument("--title", action="append", default=None,
+                      help="column title (repeat once per trace; default: file names)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jitney", description="Jitney: an in-flight batching LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _server_parsers(sub)
+    add_client_parsers(sub)
+    _plot_parser(sub)
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command in CLIENT_COMMANDS:
+        return run_client_command(ns)
+    if ns.command == "plot":
+        from jitney.scheduler.plot import plot
+
+        if ns.title is not None and len(ns.title) != len(ns.traces):
+            parser.error("give --title once per trace, or not at all")
+        plot(ns.traces, ns.output, ns.title)
+        return 0
+    if (ns.command in ("serve", "scheduler") and None not in (ns.max_num_batched_tokens, ns.max_num_seqs)
+            and ns.max_num_batched_tokens < ns.max_num_seqs):
+        parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
+                     f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")
+    _configure_logging(ns.log_level)
+    if ns.command == "scheduler":
+        from jitney.scheduler.main import SchedulerProcessConfig, run_scheduler
+
+        return run_scheduler(SchedulerProcessConfig.from_namespace(ns))
+    if ns.command == "worker":
+        from jitney.worker.config import WorkerConfig
+        from jitney.worker.main import run_worker
+
+        return run_worker(WorkerConfig.from_namespace(ns))
+    from jitney.scheduler.supervisor import child_argv, supervise
+
+    sub = cast("dict[str, argparse.ArgumentParser]",
+               parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
+                     max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The internal scheduler <-> worker contract. Only jitney.scheduler and jitney.worker import it."""

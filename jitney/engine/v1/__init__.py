@@ -1,0 +1,1 @@
+"""Generated from protos/jitney/engine/v1 (`make proto`); internal."""

@@ -1,0 +1,266 @@
+"""The worker's persistent batch: one row per live sequence, and the step's inputs.
+
+Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
+(the same tensor on the CPU):
+
+* **Per sequence, persistent** (``max_num_seqs`` rows): the block table and
+  the sampling parameters. A sequence takes a free row when it arrives and
+  gives it back when it is freed; a plan's diffs write only the new rows and
+  the new block ids. A table that changed is copied to the device once, at
+  the next step.
+* **Per step, staging**: one int64 buffer with a fixed layout (below). The
+  host fills the used prefix of each region from the plan; the whole buffer
+  goes to the device in one non-blocking copy. Fixed offsets mean fixed
+  device addresses, so captured CUDA graphs read their inputs straight from
+  it. Slot mapping and the step's block tables are computed on the device.
+
+    # region           length  holds, for the step's T tokens / B sequences / S samples
+    # input_ids        T       token ids, sequences in step order (decodes first)
+    # positions        T       absolute position of each token
+    # token_rows       T       persistent row of each token's sequence; -1 = padding
+    # query_start_loc  B + 1   cumulative query counts
+    # seq_lens         B       context length including the new tokens; 0 = padding
+    # seq_rows         B       persistent row of each sequence
+    # sample_tokens    B       flat token index of each sampled row (plan order)
+    # sample_rows      B       persistent row of each sampled sequence
+    # sample_pos       B       position of the token being sampled
+    # plain, filtered  B, B    sampled rows (0..S) that sample randomly / with top-k/p
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from jitney.worker.attention import AttentionMetadata
+from jitney.worker.sampler import RowGroups, SamplingBatch, split_seed
+
+REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens", "seq_rows",
+           "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered")
+
+
+def _layout(max_tokens: int, max_seqs: int) -> dict[str, tuple[int, int]]:
+    """Region -> (offset, capacity) in the staging buffer."""
+    sizes = {"input_ids": max_tokens, "positions": max_tokens, "token_rows": max_tokens,
+             "query_start_loc": max_seqs + 1}
+    layout, offset = {}, 0
+    for name in REGIONS:
+        size = sizes.get(name, max_seqs)
+        layout[name] = (offset, size)
+        offset += size
+    return layout
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    """One scheduled chunk as the runner hands it over: tokens resolved."""
+
+    seq_id: int
+    start: int          # position of the first token
+    tokens: list[int]   # the chunk's token ids, a sampled placeholder filled in
+    sample: bool
+    plan_index: int     # where the plan lists it: results keep the plan's order
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """Host facts about a step whose inputs are staged (and on their way to the device).
+
+    ``padded_seqs`` >= ``num_seqs``: rows past the real ones are padding for
+    a captured decode graph of that many rows (one token each, no cache
+    write, no keys).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    padded_seqs: int
+    query_start_loc: tuple[int, ...]   # (num_seqs + 1,)
+    seq_lens: tuple[int, ...]          # (num_seqs,)
+    num_decodes: int                   # leading one-token sequences
+    sampled_seq_ids: list[int]         # (S,) plan order
+    num_plain: int
+    num_filtered: int
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampled_seq_ids)
+
+
+class InputBatch:
+    """Persistent per-sequence rows and the step's staging buffer."""
+
+    def __init__(self, *, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device) -> None:
+        self.device, self.block_size = device, block_size
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        pin = device.type == "cuda"
+        self.rows: dict[int, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._num_blocks = np.zeros(max_num_seqs, dtype=np.int64)   # blocks held per row
+        self._host_table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self._table = self._host_table.numpy()
+        self.block_table = self._host_table if not pin else torch.zeros_like(self._host_table, device=device)
+        self._table_dirty = False
+        # Sampling parameters per row: temperature, top_p (float32); top_k, seed lo/hi (int64).
+        self._host_fparams = torch.zeros((2, max_num_seqs), dtype=torch.float32, pin_memory=pin)
+        self._host_iparams = torch.zeros((3, max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self.fparams = self._host_fparams if not pin else torch.zeros_like(self._host_fparams, device=device)
+        self.iparams = self._host_iparams if not pin else torch.zeros_like(self._host_iparams, device=device)
+        self._params_dirty = False
+        self.layout = _layout(max_num_tokens, max_num_seqs)
+        size = sum(n for _, n in self.layout.values())
+        self._host_staging = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._staging = self._host_staging.numpy()
+        self.staging = self._host_staging if not pin else torch.zeros_like(self._host_staging, device=device)
+        self._copied: torch.cuda.Event | None = None   # the last host-to-device copies
+
+    # -- persistent rows -----------------------------------------------------
+
+    def add(self, seq_id: int, temperature: float, top_p: float, top_k: int, seed: int) -> None:
+        """Give a new sequence a row (the plan was validated: a row is free)."""
+        self._wait_for_copies()
+        row = self._free_rows.pop()
+        self.rows[seq_id] = row
+        self._num_blocks[row] = 0
+        self._host_fparams[:, row] = torch.tensor([temperature, top_p])
+        lo, hi = split_seed(seed)
+        self._host_iparams[:, row] = torch.tensor([top_k, lo, hi])
+        self._params_dirty = True
+
+    def remove(self, seq_id: int) -> None:
+        self._free_rows.append(self.rows.pop(seq_id))
+
+    def extend_blocks(self, seq_id: int, block_ids: list[int]) -> None:
+        """Append a sequence's new blocks to its row."""
+        if not block_ids:
+            return
+        self._wait_for_copies()
+        row = self.rows[seq_id]
+        start = int(self._num_blocks[row])
+        self._table[row, start:start + len(block_ids)] = block_ids
+        self._num_blocks[row] = start + len(block_ids)
+        self._table_dirty = True
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        row = self.rows[seq_id]
+        return self._table[row, : self._num_blocks[row]].tolist()
+
+    # -- one step ------------------------------------------------------------
+
+    def region(self, name: str, length: int) -> torch.Tensor:
+        """Device view of the first ``length`` entries of a staging region."""
+        offset, capacity = self.layout[name]
+        assert length <= capacity, (name, length, capacity)
+        return self.staging[offset:offset + length]
+
+    def _fill(self, name: str, values: np.ndarray | list[int], pad_to: int = 0, pad: int = 0) -> None:
+        offset, _ = self.layout[name]
+        n = len(values)
+        self._staging[offset:offset + n] = values
+        if pad_to > n:
+            self._staging[offset + n:offset + pad_to] = pad
+
+    def stage(self, chunks: list[StepChunk], pad_seqs_to: int = 0) -> StagedStep:
+        """Write ``chunks`` (decodes first) into the staging buffer and start
+        its copy to the device (with any changed tables and parameters)."""
+        self._wait_for_copies()
+        n = len(chunks)
+        qlens = np.fromiter((len(c.tokens) for c in chunks), dtype=np.int64, count=n)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        rows = np.fromiter((self.rows[c.seq_id] for c in chunks), dtype=np.int64, count=n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        num_tokens, padded = int(qsl[-1]), max(pad_seqs_to, n)
+        seq_lens = starts + qlens
+        self._fill("input_ids", [t for c in chunks for t in c.tokens], num_tokens + padded - n)
+        self._fill("positions", np.arange(num_tokens) + np.repeat(starts - qsl[:-1], qlens), num_tokens + padded - n)
+        self._fill("token_rows", np.repeat(rows, qlens), num_tokens + padded - n, pad=-1)
+        # Padding rows: one (padding) token each.
+        self._fill("query_start_loc", np.concatenate((qsl, np.arange(num_tokens + 1, num_tokens + 1 + padded - n))))
+        self._fill("seq_lens", seq_lens, padded)
+        self._fill("seq_rows", rows, padded)
+        # Sampled rows in plan order (the result lists them so), whatever the step's order.
+        sampled = sorted((i for i, c in enumerate(chunks) if c.sample), key=lambda i: chunks[i].plan_index)
+        self._fill("sample_tokens", qsl[1:][sampled] - 1)
+        self._fill("sample_rows", rows[sampled])
+        self._fill("sample_pos", seq_lens[sampled])
+        plain, filtered = self._row_groups(rows[sampled])
+        self._fill("plain", plain)
+        self._fill("filtered", filtered)
+        self._copy_to_device()
+        ones = qlens == 1
+        num_decodes = n if ones.all() else int(np.argmin(ones))
+        return StagedStep(num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
+                          [chunks[i].seq_id for i in sampled], len(plain), len(filtered))
+
+    def step_metadata(self, step: StagedStep) -> AttentionMetadata:
+        """The (unpadded) step's attention metadata, computed on the device."""
+        return self.metadata(step.num_tokens, step.num_seqs, query_start_loc_host=step.query_start_loc,
+                             seq_lens_host=step.seq_lens, num_decodes=step.num_decodes)
+
+    def metadata(self, num_tokens: int, num_seqs: int, *, query_start_loc_host: tuple[int, ...],
+                 seq_lens_host: tuple[int, ...], num_decodes: int) -> AttentionMetadata:
+        """Attention metadata over the first ``num_tokens``/``num_seqs`` staged entries.
+
+        Block tables (an ``index_select`` of the persistent table) and the slot
+        mapping are computed on the device from the staging buffer, so a CUDA
+        graph captured around this call recomputes them at every replay.
+        """
+        token_rows, positions = self.region("token_rows", num_tokens), self.region("positions", num_tokens)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping(token_rows, positions),
+            query_start_loc=self.region("query_start_loc", num_seqs + 1),
+            seq_lens=self.region("seq_lens", num_seqs),
+            block_tables=self.block_table.index_select(0, self.region("seq_rows", num_seqs)),
+            num_decodes=num_decodes,
+            query_start_loc_host=query_start_loc_host,
+            seq_lens_host=seq_lens_host,
+            block_size=self.block_size,
+        )
+
+    def sampling(self, step: StagedStep) -> tuple[torch.Tensor, SamplingBatch, RowGroups]:
+        """(flat token index of each sampled row, its parameters, its row groups), on the device."""
+        s = step.num_sampled
+        rows = self.region("sample_rows", s)
+        f = self.fparams.index_select(1, rows)
+        i = self.iparams.index_select(1, rows)
+        params = SamplingBatch(temperature=f[0], top_p=f[1], top_k=i[0], seed_lo=i[1], seed_hi=i[2],
+                               position=self.region("sample_pos", s))
+        groups = RowGroups(self.region("plain", step.num_plain), self.region("filtered", step.num_filtered),
+                           full_sort=True)
+        return self.region("sample_tokens", s), params, groups
+
+    def _row_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sampled rows (indices into ``rows``) that sample randomly, plain and filtered."""
+        temperature, top_p = self._host_fparams.numpy()[:, rows]
+        top_k = self._host_iparams.numpy()[0, rows]
+        random = temperature > 0
+        filtered = random & ((top_k > 0) | (top_p < 1.0))
+        return np.flatnonzero(random & ~filtered), np.flatnonzero(filtered)
+
+    def _copy_to_device(self) -> None:
+        if self.staging is self._host_staging:
+            return
+        self.staging.copy_(self._host_staging, non_blocking=True)
+        if self._table_dirty:
+            self.block_table.copy_(self._host_table, non_blocking=True)
+        if self._params_dirty:
+            self.fparams.copy_(self._host_fparams, non_blocking=True)
+            self.iparams.copy_(self._host_iparams, non_blocking=True)
+        self._table_dirty = self._params_dirty = False
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def _wait_for_copies(self) -> None:
+        """Host buffers may be rewritten only once their last copy has left them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slot of each token, on the device; -1 for padding tokens (row -1)."""
+        block = self.block_table[token_rows.clamp(min=0), positions // self.block_size]
+        slots = block.to(torch.int64) * self.block_size + positions % self.block_size
+        return slots.masked_fill_(token_rows < 0, -1)
