@@ -430,13 +430,13 @@ def make_runner(model: Path, run: Run, max_seqs: int, num_blocks: int) -> ModelR
 
 def step_tokens(run: Run) -> int:
     """The runner's step budget: 2048 (or the prefill step, if larger), set explicitly."""
-    return max(2048, int(run.args.prefill_tokens))
+    return max(2048, *run.args.prefill_tokens)
 
 
 def runner_blocks(run: Run, batches: list[int], block_size: int = 16) -> tuple[int, int]:
     """(blocks per decode sequence, total blocks) the decode and prefill measurements need."""
     per_seq = blocks_for(run.args.context + run.args.reps + 8, block_size)
-    total = max(max(batches, default=1) * per_seq, blocks_for(run.args.prefill_tokens, block_size)) + 16
+    total = max(max(batches, default=1) * per_seq, blocks_for(max(run.args.prefill_tokens), block_size)) + 16
     return per_seq, total
 
 
@@ -511,11 +511,10 @@ def measure_decode(runner: ModelRunner, batch: int, run: Run, per_seq: int) -> d
             "execute_s_min": min(kept), "graph_s": graph_s, "graph_note": graph_note}
 
 
-def measure_prefill(runner: ModelRunner, run: Run) -> dict[str, Any]:
-    """Wall time of ``execute()`` of one step of a single ``--prefill-tokens`` chunk; fresh sequence each time."""
+def measure_prefill(runner: ModelRunner, run: Run, tokens: int) -> dict[str, Any]:
+    """Wall time of ``execute()`` of one step of a single chunk of ``tokens``; fresh sequence each time."""
     from jitney.engine.v1 import engine_pb2 as e
 
-    tokens = run.args.prefill_tokens
     ids = [100 + (13 * j) % 40000 for j in range(tokens)]
     blocks = list(range(blocks_for(tokens, runner.config.block_size)))
     times = []
@@ -577,10 +576,50 @@ def steps_prefill(shape: str, runner: ModelRunner, run: Run) -> None:
     if not run.budget.allows(5.0):
         run.skip(f"{shape} prefill", "budget spent")
         return
-    row = measure_prefill(runner, run)
-    run.shape(shape)["prefill"] = row
-    log(f"   prefill {row['tokens']} tokens: execute() {row['execute_s_median'] * 1e3:.2f} ms median "
-        f"(first {row['first_s'] * 1e3:.1f} ms)")
+    for tokens in run.args.prefill_tokens:
+        row = measure_prefill(runner, run, tokens)
+        run.shape(shape).setdefault("prefill", []).append(row)
+        log(f"   prefill {row['tokens']} tokens: execute() {row['execute_s_median'] * 1e3:.2f} ms median "
+            f"(first {row['first_s'] * 1e3:.1f} ms)")
+    if run.args.profile and is_cuda(run.args):
+        profile_steps(shape, runner, run)
+
+
+def profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
+    """torch.profiler over decode steps (batch 1 and the largest) and a 2048-token prefill: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from jitney.engine.v1 import engine_pb2 as e
+
+    out = (run.args.out.parent if run.args.out else Path(".")) / f"profile-{shape}.txt"
+    per_seq, _ = runner_blocks(run, [])
+    texts = []
+    for batch in sorted({1, max(decode_batches(run.args))}):
+        for plan in prefill_plans(batch, run.args.context, per_seq, step_tokens(run)):
+            runner.execute(plan)
+        for k in range(3):
+            runner.execute(decode_plan(batch, run.args.context + k))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for k in range(3, 8):
+                runner.execute(decode_plan(batch, run.args.context + k))
+        runner.execute(e.StepPlan(step_id=10_000, freed_seq_ids=list(range(1, batch + 1))))
+        texts.append(f"== decode batch {batch}, 5 steps, by CPU total\n"
+                     + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        texts.append(f"== decode batch {batch}, 5 steps, by device total\n"
+                     + prof.key_averages().table(sort_by="device_time_total", row_limit=25))
+    tokens = max(run.args.prefill_tokens)
+    ids, blocks = [100 + j % 40000 for j in range(tokens)], list(range(blocks_for(tokens, 16)))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for rep in range(2):
+            plan = e.StepPlan(step_id=40_000 + rep)
+            plan.new_sequences.add(seq_id=60_000 + rep, sampling=e.SamplingConfig(seed=1))
+            plan.chunks.add(seq_id=60_000 + rep, start_position=0, token_ids=ids, new_block_ids=blocks, sample=True)
+            runner.execute(plan)
+            runner.execute(e.StepPlan(step_id=41_000 + rep, freed_seq_ids=[60_000 + rep]))
+    texts.append(f"== prefill {tokens} tokens, 2 steps, by device total\n"
+                 + prof.key_averages().table(sort_by="device_time_total", row_limit=30))
+    out.write_text("\n\n".join(texts))
+    log(f"   profile: {out}")
 
 
 # ---------------------------------------------------------------- transformers baseline
@@ -756,8 +795,7 @@ def prefill_table(run: Run) -> list[str]:
              "then, after one more warm-up, median and best of the reps.", "",
              "| shape | tokens | execute() median ms | execute() best ms | first ms |", "|---|---|---|---|---|"]
     for shape, data in run.shapes.items():
-        row = data.get("prefill")
-        if row:
+        for row in data.get("prefill", []):
             lines.append(f"| {shape} | {row['tokens']} | {_ms(row['execute_s_median'])} | "
                          f"{_ms(row['execute_s_min'])} | {_ms(row['first_s'])} |")
     return lines
@@ -797,8 +835,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode batch sizes (default 1 16 64; with --limit N, capped at N/2)")
     p.add_argument("--context", type=int, default=None, help="tokens per sequence before the timed decode steps "
                                                              "(default 128 on CUDA, 32 on CPU)")
-    p.add_argument("--prefill-tokens", type=int, default=None, help="tokens of the prefill step "
-                                                                   "(default 2048 on CUDA, 64 on CPU)")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=None,
+                   help="tokens of each measured prefill step (default 512 2048 on CUDA, 64 on CPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: torch.profiler tables of a decode step (batch 1, 64) and a 2048-token prefill, "
+                        "written next to --out")
     p.add_argument("--reps", type=int, default=None, help="timed reps per measurement (default 20 on CUDA, 5 on CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
     p.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")
@@ -815,7 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     cuda = is_cuda(args)
-    defaults = {"context": (128, 32), "prefill_tokens": (2048, 64), "reps": (20, 5), "server_reserve_s": (25.0, 5.0),
+    defaults = {"context": (128, 32), "prefill_tokens": ([512, 2048], [64]), "reps": (20, 5), "server_reserve_s": (25.0, 5.0),
                 "steps_reserve_s": (25.0, 5.0), "hf_reserve_s": (40.0, 5.0)}
     for name, (gpu, cpu) in defaults.items():
         if getattr(args, name) is None:

@@ -55,7 +55,7 @@ def test_cpu_plumbing_runs(bench_run: tuple[subprocess.CompletedProcess[str], Pa
     for row in tiny["decode"]:
         assert 0 < row["execute_s_min"] <= row["execute_s_median"], row
         assert row["graph_s"] is None and row["graph_note"]        # no CUDA graphs on CPU: "n/a"
-    prefill = tiny["prefill"]
+    (prefill,) = tiny["prefill"]
     assert prefill["tokens"] == 64 and prefill["execute_s_median"] > 0 and prefill["first_s"] > 0
 
     # transformers' continuous batching runs on CPU too; where it cannot, it is skipped with its reason.

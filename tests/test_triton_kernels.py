@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from jitney.worker.triton_attention import paged_attention  # noqa: E402
+from jitney.worker.triton_attention import paged_attention, prefill_block_q, tile_map  # noqa: E402
 from jitney.worker.triton_cache import write_kv_cache  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,6 +111,32 @@ def test_paged_attention_matches_reference(geometry: tuple, batch: tuple[list[in
     torch.testing.assert_close(got.float().cpu(), want, atol=ATOL[dtype], rtol=0)
 
 
+# Mixed steps as a captured graph sees them: padding rows (no tokens) after the
+# real ones, a prefill longer than one tile, and room for more tiles than used.
+TILED = ([1, 1, 70, 3, 0, 0], [20, 9, 70, 40, 0, 0])
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[:3], ids=lambda g: "bs{}-kvh{}-g{}-d{}-{}".format(*g[:4], str(g[4])[6:]))
+def test_tile_mapped_launch_matches_reference(geometry: tuple) -> None:
+    """The graph-safe launch over a tile map gives the per-sequence launch's answer."""
+    block_size, kvh, group, head_dim, dtype = geometry
+    query_lens, seq_lens = TILED
+    case = ragged_case(block_size, kvh, group, head_dim, dtype, query_lens, [max(s, 1) for s in seq_lens])
+    case["seq_lens"][len(seq_lens) - 2:] = 0        # padding rows: no keys
+    block_q = prefill_block_q(kvh * group, kvh)
+    seqs, idx = tile_map(query_lens, block_q, num_tiles=sum(-(-n // block_q) for n in query_lens) + 5)
+    assert seqs.count(2) == -(-70 // block_q) and seqs[-1] == -1
+    tiles = (torch.tensor(seqs, device=DEVICE), torch.tensor(idx, device=DEVICE))
+    scale = head_dim**-0.5
+    got = paged_attention(case["query"], case["k_cache"], case["v_cache"], case["query_start_loc"], case["seq_lens"],
+                          case["block_tables"].to(torch.int32), scale, max_query_len=1, tiles=tiles)
+    want = reference_attention(case["query"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu(),
+                               query_lens[:4], seq_lens[:4], case["tables"][:4], scale)
+    torch.testing.assert_close(got.float().cpu(), want, atol=ATOL[dtype], rtol=0)
+    with pytest.raises(ValueError, match="exceed"):
+        tile_map(query_lens, block_q, num_tiles=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kvh,head_dim", [(3, 64), (2, 128)])
 def test_write_kv_cache_stores_each_token_at_its_slot(dtype: torch.dtype, kvh: int, head_dim: int) -> None:
@@ -190,8 +216,10 @@ def build(fn, types, consts, arch):
 
 for arch in (80, 90):
     for dt in ("bf16", "fp16", "fp32"):
-        build(attn, [f"*{dt}"] * 4 + ["*i64"] * 3 + ["fp32"] + ["i32"] * 9,
-              dict(G=3, GP=4, HEAD_DIM=128, HEAD_P=128, BLOCK_Q=16, BLOCK_N=32, F32_DOT=dt == "fp32"), arch)
+        for flat in (False, True):  # the runner's block tables are int32
+            build(attn, [f"*{dt}"] * 4 + ["*i64", "*i64", "*i32", "*i64", "*i64"] + ["fp32"] + ["i32"] * 9,
+                  dict(G=3, GP=4, HEAD_DIM=128, HEAD_P=128, BLOCK_Q=16, BLOCK_N=32, F32_DOT=dt == "fp32",
+                       FLAT=flat), arch)
         build(write, [f"*{dt}"] * 4 + ["*i64"] + ["i32"] * 6, dict(NUM_HEADS=3, HEADS_P=4, HEAD_DIM=64, HEAD_P=64), arch)
 print("compiled")
 """

@@ -92,6 +92,20 @@ def test_cuda_step_padding_and_sync_free_sampling(config: WorkerConfig, torch_ru
     assert padded == [4, 4, 4]  # the decode-only steps (3 sequences) took the graph path, padded to 4
 
 
+def test_mixed_steps_padded_to_a_token_bucket(config: WorkerConfig, torch_run: list) -> None:
+    """Prefill and mixed steps through the tile-mapped mixed graphs (emulated on CPU): padding
+    rows and tokens change nothing."""
+    runner = ModelRunner(replace(config, attention_backend="triton"))
+    graphs = DecodeGraphs(runner.model, runner.cache, runner.batch, [1, 4], capture=DEVICE == "cuda",
+                          mixed_tokens=[16, 32])
+    runner.graphs = graphs
+    buckets = []
+    hidden = graphs.mixed_hidden
+    graphs.mixed_hidden = lambda tokens: buckets.append(tokens) or hidden(tokens)  # type: ignore[method-assign]
+    assert_same_run(generate(runner), torch_run)
+    assert buckets == [16, 16, 32]  # 14, 10 and 25 tokens
+
+
 def test_capture_sizes() -> None:
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert capture_sizes(6) == [1, 2, 4, 6]

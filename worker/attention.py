@@ -56,6 +56,7 @@ class AttentionMetadata:
     block_size: int
     decode_groups: tuple[DecodeGroup, ...] = ()
     prepared: bool = False  # the backend's ``prepare`` ran (it runs once per step)
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # a tile map (graph-captured mixed steps)
 
     @property
     def num_seqs(self) -> int:

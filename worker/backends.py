@@ -62,3 +62,10 @@ def _triton_installed() -> bool:
     except ImportError:
         return False
     return True
+
+
+def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per tile of the Triton attention's tile-mapped launch (imports Triton)."""
+    from jitney.worker.triton_attention import prefill_block_q as block_q
+
+    return block_q(num_heads, num_kv_heads)

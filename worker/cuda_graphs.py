@@ -11,21 +11,36 @@ size ``m``:
     # rows [n, m)   -> padding: token row -1 (slot -1: the cache write skips it),
     #                  seq_len 0 (attention reads nothing), logits unused
 
-Every other step (any prefill chunk, or more sequences than the largest
-graph) runs eagerly. Needs an attention backend that reads no host value
-but the grid (``AttentionBackend.graph_safe``).
+Steps with prefill chunks of up to ``MIXED_GRAPH_TOKENS[-1]`` tokens replay a
+*mixed* graph of the next token bucket, captured around the forward only
+(the logits of the sampled rows follow eagerly): its metadata has a row for
+every seat (padding rows hold no token), padding tokens have no row (no
+cache write, output unused), and attention launches over a tile map staged
+with the inputs, so no host value of the step enters the graph. Larger
+steps are compute-bound and run eagerly. Needs an attention backend that
+reads no host value but the grid (``AttentionBackend.graph_safe``).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from jitney.worker.input_batch import InputBatch, StepChunk
 from jitney.worker.kv_cache import PagedKVCache
 from jitney.worker.model import CausalLM
+
+
+# Token buckets of the mixed-step graphs: the steps launch overhead would dominate.
+MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
+
+
+def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
+    """The mixed-graph buckets a step budget can use."""
+    return [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -42,11 +57,13 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, batch: InputBatch, sizes: Sequence[int],
-                 *, capture: bool = True) -> None:
+                 *, capture: bool = True, mixed_tokens: Sequence[int] = ()) -> None:
         self.model, self.cache, self.batch = model, cache, batch
         self.sizes = sorted(sizes)
+        self.mixed_tokens = sorted(mixed_tokens) if batch.tile_block_q else []
         self.rows = torch.arange(self.sizes[-1], dtype=torch.int64, device=batch.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_bytes = 0  # memory the captured graphs hold
         if capture:
             self._capture_all()
@@ -56,6 +73,20 @@ class DecodeGraphs:
         if not chunks or len(chunks) > self.sizes[-1] or any(len(c.tokens) != 1 for c in chunks):
             return None
         return self.sizes[bisect.bisect_left(self.sizes, len(chunks))]
+
+    def mixed_bucket(self, num_tokens: int) -> int | None:
+        """The token bucket of a mixed step's graph, or None when it runs eagerly."""
+        if not self.mixed_tokens or num_tokens > self.mixed_tokens[-1]:
+            return None
+        return self.mixed_tokens[bisect.bisect_left(self.mixed_tokens, num_tokens)]
+
+    def mixed_hidden(self, tokens: int) -> torch.Tensor:
+        """Hidden states ``(tokens, hidden)`` of the staged mixed step, padded to its bucket."""
+        if tokens in self.mixed:
+            graph, out = self.mixed[tokens]
+            graph.replay()
+            return out
+        return self._forward_mixed(tokens)
 
     def logits(self, size: int) -> torch.Tensor:
         """Float32 logits ``(size, vocab)`` of the staged decode step, padded to ``size``."""
@@ -84,21 +115,34 @@ class DecodeGraphs:
         hidden = self.model(b.region("input_ids", size), b.region("positions", size), meta, self.cache)
         return self.model.compute_logits(hidden, self.rows[:size])
 
+    def _forward_mixed(self, tokens: int) -> torch.Tensor:
+        b = self.batch
+        seats = b.max_num_seqs
+        meta = b.metadata(tokens, seats, query_start_loc_host=(0,) * (seats + 1), seq_lens_host=(0,) * seats,
+                          num_decodes=0, tiles=True)  # host tuples: not read with a tile map
+        return self.model(b.region("input_ids", tokens), b.region("positions", tokens), meta, self.cache)
+
     def _capture_all(self) -> None:
-        # Staged inputs of a harmless decode step: every row padding.
-        self.batch.stage([], pad_seqs_to=self.sizes[-1])
         before = torch.cuda.memory_reserved()
         pool = None
-        for size in reversed(self.sizes):  # largest first: the pool fits the rest
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(size)  # warm-up: compiles the kernels outside the capture
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(size)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = (graph, out)
+        # Staged inputs of harmless steps: every row and token padding.
+        self.batch.stage([], pad_seqs_to=self.batch.max_num_seqs, pad_tokens_to=max(self.mixed_tokens, default=1))
+        for tokens in reversed(self.mixed_tokens):  # largest first: the pool fits the rest
+            self.mixed[tokens], pool = self._capture(lambda t=tokens: self._forward_mixed(t), pool)
+        self.batch.stage([], pad_seqs_to=self.sizes[-1])
+        for size in reversed(self.sizes):
+            self.graphs[size], pool = self._capture(lambda s=size: self._forward(s), pool)
         torch.cuda.synchronize()
         self.pool_bytes = torch.cuda.memory_reserved() - before
+
+    @staticmethod
+    def _capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[tuple[torch.cuda.CUDAGraph, torch.Tensor], Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # warm-up: compiles the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return (graph, out), (graph.pool() if pool is None else pool)

@@ -25,6 +25,8 @@ Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
     # sample_rows      B       persistent row of each sampled sequence
     # sample_pos       B       position of the token being sampled
     # plain, filtered  B, B    sampled rows (0..S) that sample randomly / with top-k/p
+    # tile_seq, tile_idx N, N  the attention's tile map for a graph-captured mixed step
+    #                          (sequence and index of each tile of query tokens; -1: none)
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ from jitney.worker.attention import AttentionMetadata
 from jitney.worker.sampler import RowGroups, SamplingBatch, split_seed
 
 REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens", "seq_rows",
-           "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered")
+           "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered", "tile_seq", "tile_idx")
 
 
-def _layout(max_tokens: int, max_seqs: int) -> dict[str, tuple[int, int]]:
+def _layout(max_tokens: int, max_seqs: int, max_tiles: int) -> dict[str, tuple[int, int]]:
     """Region -> (offset, capacity) in the staging buffer."""
     sizes = {"input_ids": max_tokens, "positions": max_tokens, "token_rows": max_tokens,
-             "query_start_loc": max_seqs + 1}
+             "query_start_loc": max_seqs + 1, "tile_seq": max_tiles, "tile_idx": max_tiles}
     layout, offset = {}, 0
     for name in REGIONS:
         size = sizes.get(name, max_seqs)
@@ -92,7 +94,7 @@ class InputBatch:
     """Persistent per-sequence rows and the step's staging buffer."""
 
     def __init__(self, *, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, tile_block_q: int = 0) -> None:
         self.device, self.block_size = device, block_size
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         pin = device.type == "cuda"
@@ -109,7 +111,10 @@ class InputBatch:
         self.fparams = self._host_fparams if not pin else torch.zeros_like(self._host_fparams, device=device)
         self.iparams = self._host_iparams if not pin else torch.zeros_like(self._host_iparams, device=device)
         self._params_dirty = False
-        self.layout = _layout(max_num_tokens, max_num_seqs)
+        # Tile maps (query tokens per tile: tile_block_q) have room for every tile of a full step.
+        self.tile_block_q = tile_block_q
+        self.max_tiles = -(-max_num_tokens // tile_block_q) + max_num_seqs if tile_block_q else 0
+        self.layout = _layout(max_num_tokens, max_num_seqs, self.max_tiles)
         size = sum(n for _, n in self.layout.values())
         self._host_staging = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._staging = self._host_staging.numpy()
@@ -162,9 +167,15 @@ class InputBatch:
         if pad_to > n:
             self._staging[offset + n:offset + pad_to] = pad
 
-    def stage(self, chunks: list[StepChunk], pad_seqs_to: int = 0) -> StagedStep:
+    def stage(self, chunks: list[StepChunk], pad_seqs_to: int = 0, pad_tokens_to: int = 0) -> StagedStep:
         """Write ``chunks`` (decodes first) into the staging buffer and start
-        its copy to the device (with any changed tables and parameters)."""
+        its copy to the device (with any changed tables and parameters).
+
+        Padding for a captured graph: ``pad_seqs_to`` alone (a decode graph)
+        gives each padding row one padding token; with ``pad_tokens_to`` (a
+        mixed graph) padding rows have no tokens, padding tokens no row, and
+        the tile map is written.
+        """
         self._wait_for_copies()
         n = len(chunks)
         qlens = np.fromiter((len(c.tokens) for c in chunks), dtype=np.int64, count=n)
@@ -174,11 +185,17 @@ class InputBatch:
         np.cumsum(qlens, out=qsl[1:])
         num_tokens, padded = int(qsl[-1]), max(pad_seqs_to, n)
         seq_lens = starts + qlens
-        self._fill("input_ids", [t for c in chunks for t in c.tokens], num_tokens + padded - n)
-        self._fill("positions", np.arange(num_tokens) + np.repeat(starts - qsl[:-1], qlens), num_tokens + padded - n)
-        self._fill("token_rows", np.repeat(rows, qlens), num_tokens + padded - n, pad=-1)
-        # Padding rows: one (padding) token each.
-        self._fill("query_start_loc", np.concatenate((qsl, np.arange(num_tokens + 1, num_tokens + 1 + padded - n))))
+        if pad_tokens_to:   # mixed graph: padding rows hold no token
+            total = max(pad_tokens_to, num_tokens)
+            pad_qsl = np.full(padded - n, num_tokens)
+            self._fill_tiles(qlens)
+        else:               # decode graph (or none): one padding token per padding row
+            total = num_tokens + padded - n
+            pad_qsl = np.arange(num_tokens + 1, num_tokens + 1 + padded - n)
+        self._fill("input_ids", [t for c in chunks for t in c.tokens], total)
+        self._fill("positions", np.arange(num_tokens) + np.repeat(starts - qsl[:-1], qlens), total)
+        self._fill("token_rows", np.repeat(rows, qlens), total, pad=-1)
+        self._fill("query_start_loc", np.concatenate((qsl, pad_qsl)))
         self._fill("seq_lens", seq_lens, padded)
         self._fill("seq_rows", rows, padded)
         # Sampled rows in plan order (the result lists them so), whatever the step's order.
@@ -195,13 +212,21 @@ class InputBatch:
         return StagedStep(num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
                           [chunks[i].seq_id for i in sampled], len(plain), len(filtered))
 
+    def _fill_tiles(self, qlens: np.ndarray) -> None:
+        """The tile map of the step's sequences, padded with -1 to the region's end."""
+        counts = -(-qlens // self.tile_block_q)
+        seqs = np.repeat(np.arange(len(qlens)), counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        self._fill("tile_seq", seqs, self.max_tiles, pad=-1)
+        self._fill("tile_idx", np.arange(len(seqs)) - starts, self.max_tiles)
+
     def step_metadata(self, step: StagedStep) -> AttentionMetadata:
         """The (unpadded) step's attention metadata, computed on the device."""
         return self.metadata(step.num_tokens, step.num_seqs, query_start_loc_host=step.query_start_loc,
                              seq_lens_host=step.seq_lens, num_decodes=step.num_decodes)
 
     def metadata(self, num_tokens: int, num_seqs: int, *, query_start_loc_host: tuple[int, ...],
-                 seq_lens_host: tuple[int, ...], num_decodes: int) -> AttentionMetadata:
+                 seq_lens_host: tuple[int, ...], num_decodes: int, tiles: bool = False) -> AttentionMetadata:
         """Attention metadata over the first ``num_tokens``/``num_seqs`` staged entries.
 
         Block tables (an ``index_select`` of the persistent table) and the slot
@@ -218,6 +243,7 @@ class InputBatch:
             query_start_loc_host=query_start_loc_host,
             seq_lens_host=seq_lens_host,
             block_size=self.block_size,
+            tiles=(self.region("tile_seq", self.max_tiles), self.region("tile_idx", self.max_tiles)) if tiles else None,
         )
 
     def sampling(self, step: StagedStep) -> tuple[torch.Tensor, SamplingBatch, RowGroups]:

@@ -19,13 +19,14 @@ import torch
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.backends import make_attention_backend
 from jitney.worker.config import WorkerConfig
-from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
 from jitney.worker.device import dtype_name, resolve_device, resolve_dtype, step_defaults
 from jitney.worker.input_batch import InputBatch, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
 from jitney.worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
 from jitney.worker.sampler import RowGroups, sample
+from jitney.worker.backends import prefill_block_q
 from jitney.worker.warmup import profile_activations, warm_up
 
 logger = logging.getLogger("jitney.worker")
@@ -60,12 +61,15 @@ class ModelRunner:
                                  context_length=self.facts.context_length, vocab_size=self.facts.vocab_size,
                                  max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs)
         self.sequences: dict[int, SequenceState] = {}
+        graph_safe = self.model.backend.graph_safe
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
                                 max_blocks_per_seq=-(-self.facts.context_length // config.block_size),
-                                block_size=config.block_size, device=self.device)
+                                block_size=config.block_size, device=self.device,
+                                tile_block_q=prefill_block_q(cfg.num_heads, cfg.num_kv_heads) if graph_safe else 0)
         if capture_graphs is None:
-            capture_graphs = self.device.type == "cuda" and self.model.backend.graph_safe
-        self.graphs = (DecodeGraphs(self.model, self.cache, self.batch, capture_sizes(max_seqs))
+            capture_graphs = self.device.type == "cuda" and graph_safe
+        self.graphs = (DecodeGraphs(self.model, self.cache, self.batch, capture_sizes(max_seqs),
+                                    mixed_tokens=mixed_buckets(max_tokens))
                        if capture_graphs else None)
         if warm:
             warm_up(self)
@@ -126,17 +130,28 @@ class ModelRunner:
         return chunks
 
     def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult) -> None:
-        size = self.graphs.size_for(chunks) if self.graphs is not None else None
-        step = self.batch.stage(chunks, pad_seqs_to=size or 0)
+        graphs = self.graphs
+        size = graphs.size_for(chunks) if graphs is not None else None
+        bucket = graphs.mixed_bucket(sum(len(c.tokens) for c in chunks)) if graphs is not None and size is None else None
+        if bucket is not None:
+            step = self.batch.stage(chunks, pad_seqs_to=self.batch.max_num_seqs, pad_tokens_to=bucket)
+        else:
+            step = self.batch.stage(chunks, pad_seqs_to=size or 0)
         # Attention metadata (and the CPU backend's plan) before the model's clock starts.
-        meta = self.model.backend.prepare(self.batch.step_metadata(step)) if size is None else None
+        eager = size is None and bucket is None
+        meta = self.model.backend.prepare(self.batch.step_metadata(step)) if eager else None
         timer = _ModelTimer(self.device)
         if size is not None:
-            assert self.graphs is not None
-            logits = self.graphs.logits(size)
+            assert graphs is not None
+            logits = graphs.logits(size)
             sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
             if sample_tokens is not None:
                 logits = logits.index_select(0, sample_tokens)
+        elif bucket is not None:
+            assert graphs is not None
+            hidden = graphs.mixed_hidden(bucket)
+            sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
+            logits = self.model.compute_logits(hidden, sample_tokens) if sample_tokens is not None else hidden
         else:
             assert meta is not None
             hidden = self.model(self.batch.region("input_ids", step.num_tokens),

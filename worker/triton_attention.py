@@ -38,17 +38,24 @@ BLOCK_N = 32
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_idx_ptr,
     scale_log2,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     cache_stride_block, cache_stride_slot, cache_stride_head,
     table_stride, block_size,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, FLAT: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    if FLAT:  # program (flat tile, kv head): the tile's sequence and index come from the tile map
+        flat = tl.program_id(0)
+        seq = tl.load(tile_seq_ptr + flat).to(tl.int64)
+        tile = tl.load(tile_idx_ptr + flat).to(tl.int32)
+        if seq < 0:
+            return
+    else:     # program (sequence, kv head, tile)
+        seq = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
     if tile * BLOCK_Q >= q_len:
@@ -138,13 +145,18 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     check: bool = True,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch -> ``(T, nh, d)``.
 
     query (T, nh, d); k_cache, v_cache (num_blocks, block_size, kvh, d);
     query_start_loc (B + 1,), seq_lens (B,), block_tables (B, max_blocks).
     ``max_query_len`` (a host int, at least the longest query run) sizes
-    the grid. Indices are not range-checked (the runner validates plans).
+    the grid. ``tiles`` (a tile map: ``tile_seq``, ``tile_idx``, both
+    ``(num_tiles,)`` int, from ``tile_map``) instead launches one program per
+    listed tile of ``prefill_block_q`` query tokens (``tile_seq`` -1: none),
+    so the grid depends on no host value of the step: a mixed step can be
+    captured in a CUDA graph. Indices are not range-checked (the runner validates plans).
     Raises ``ValueError`` on a shape, dtype, device or layout it cannot take.
     """
     if check:  # the model checks its first layer's call of a step; the others have the same shapes
@@ -160,19 +172,44 @@ def paged_attention(
         return out
     group = query.shape[1] // kvh
     gp = triton.next_power_of_2(group)
-    rows = max(gp, DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS)
-    block_q = rows // gp
-    grid = (num_seqs, kvh, triton.cdiv(max_query_len, block_q))
+    if tiles is not None:
+        block_q = prefill_block_q(query.shape[1], kvh)
+        grid: tuple[int, ...] = (tiles[0].shape[0], kvh)
+        tile_seq, tile_idx = tiles
+    else:
+        block_q = max(gp, DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS) // gp
+        grid = (num_seqs, kvh, triton.cdiv(max_query_len, block_q))
+        tile_seq = tile_idx = seq_lens  # not read
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tile_seq, tile_idx,
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_size,
         G=group, GP=gp, HEAD_DIM=head_dim, HEAD_P=triton.next_power_of_2(head_dim),
-        BLOCK_Q=block_q, BLOCK_N=BLOCK_N, F32_DOT=_f32_dot(query.dtype),
+        BLOCK_Q=block_q, BLOCK_N=BLOCK_N, F32_DOT=_f32_dot(query.dtype), FLAT=tiles is not None,
     )
     return out
+
+
+def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per tile of a prefill (or tile-mapped) launch."""
+    gp = triton.next_power_of_2(num_heads // num_kv_heads)
+    return max(gp, PREFILL_ROWS) // gp
+
+
+def tile_map(query_lens: list[int], block_q: int, num_tiles: int) -> tuple[list[int], list[int]]:
+    """(tile_seq, tile_idx) of a ragged batch, padded with -1 / 0 to ``num_tiles``."""
+    seqs: list[int] = []
+    idx: list[int] = []
+    for s, n in enumerate(query_lens):
+        count = -(-n // block_q)
+        seqs += [s] * count
+        idx += range(count)
+    if len(seqs) > num_tiles:
+        raise ValueError(f"{len(seqs)} query tiles exceed the map's {num_tiles}")
+    pad = num_tiles - len(seqs)
+    return seqs + [-1] * pad, idx + [0] * pad
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -205,7 +242,7 @@ class TritonPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         return paged_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, max_query_len(meta), check=self.checking,
+            scale, max_query_len(meta), check=self.checking, tiles=meta.tiles,
         )
 
 
@@ -222,7 +259,7 @@ def _f32_dot(dtype: torch.dtype) -> bool:
 
 def max_query_len(meta: AttentionMetadata) -> int:
     """Longest query run of the step, from host values only."""
-    if meta.num_decodes == meta.num_seqs:
-        return 1
+    if meta.tiles is not None or meta.num_decodes == meta.num_seqs:
+        return 1  # a tile-mapped launch does not read it
     starts = meta.query_start_loc_host
     return max(b - a for a, b in zip(starts, starts[1:]))
