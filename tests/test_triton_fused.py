@@ -348,7 +348,7 @@ for arch, dts in ((80, ("bf16", "fp32")), (90, ("bf16", "fp16"))):
         build(k._add_rms_norm_kernel, norm, dict(H=1536, BLOCK=2048, SOFT_BF16=False), arch)
         build(k._silu_mul_kernel, [f"*{dt}"] * 2 + ["i32"] * 3, dict(BLOCK=1024, SOFT_BF16=False), arch)
         build(k._rope_write_kv_kernel, [f"*{dt}", "*i64", "*fp32", f"*{dt}", f"*{dt}", "*i64"] + ["i32"] * 3,
-              dict(NUM_HEADS=9, NUM_KV_HEADS=3, HEAD_DIM=64, HALF_P=32, SOFT_BF16=False), arch)
+              dict(NUM_HEADS=9, NUM_KV_HEADS=3, HEAD_DIM=64, HALF_P=32, NH_P=16, KVH_P=4, SOFT_BF16=False), arch)
 print("compiled")
 """
 

@@ -37,7 +37,8 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> WorkerConfig:
                         max_num_batched_tokens=64, max_num_seqs=8, attention_backend="torch")
 
 
-def generate(runner: ModelRunner, steps: int = 6) -> list[tuple[list[int], list[float]]]:
+def generate(runner: ModelRunner, steps: int = 6,
+             sampling: dict[int, pb.SamplingConfig] = SAMPLING) -> list[tuple[list[int], list[float]]]:
     """Prefill 1 and 2 (2 in two chunks), 3 joins mid-way; decode all. Per step: (ids, logprobs)."""
     tokens = {sid: list(p) for sid, p in PROMPTS.items()}
     computed, blocks, free = dict.fromkeys(PROMPTS, 0), {sid: [] for sid in PROMPTS}, list(range(63, -1, -1))
@@ -47,7 +48,7 @@ def generate(runner: ModelRunner, steps: int = 6) -> list[tuple[list[int], list[
         active = [1, 2] if step < 2 else [1, 2, 3]
         for sid in active:
             if computed[sid] == 0 and (sid != 2 or step == 0):
-                plan.new_sequences.add(seq_id=sid, sampling=SAMPLING[sid])
+                plan.new_sequences.add(seq_id=sid, sampling=sampling[sid])
             n = 3 if (sid == 2 and step == 0) else len(tokens[sid]) - computed[sid]
             need = -(-(computed[sid] + n) // 4) - len(blocks[sid])
             new = [free.pop() for _ in range(need)]
@@ -90,6 +91,19 @@ def test_cuda_step_padding_and_sync_free_sampling(config: WorkerConfig, torch_ru
     graphs.logits = lambda size: padded.append(size) or logits(size)  # type: ignore[method-assign]
     assert_same_run(generate(runner), torch_run)
     assert padded == [4, 4, 4]  # the decode-only steps (3 sequences) took the graph path, padded to 4
+
+
+def test_all_greedy_decode_steps_take_the_graphs_own_choice(config: WorkerConfig) -> None:
+    """With every row greedy, the decode graph's in-graph argmax and logprob are the result."""
+    greedy = {sid: pb.SamplingConfig() for sid in PROMPTS}
+    want = generate(ModelRunner(config), sampling=greedy)
+    runner = ModelRunner(replace(config, attention_backend="triton"))
+    runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.batch, [1, 4], capture=DEVICE == "cuda")
+    sampled_eagerly = []
+    sample_rows = runner._sample
+    runner._sample = lambda step, logits: sampled_eagerly.append(step) or sample_rows(step, logits)  # type: ignore[method-assign]
+    assert_same_run(generate(runner, sampling=greedy), want)
+    assert len(sampled_eagerly) == 3  # the three steps with prefill chunks; the decode-only ones used the graph
 
 
 def test_mixed_steps_padded_to_a_token_bucket(config: WorkerConfig, torch_run: list) -> None:

@@ -24,6 +24,7 @@ reads no host value but the grid (``AttentionBackend.graph_safe``).
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,13 @@ MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
     """The mixed-graph buckets a step budget can use."""
     return [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
+
+
+def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
+    """(2, rows) float64: each row's greedy token id and its logprob, as ``sampler.sample`` computes them."""
+    tokens = logits.max(dim=-1).indices
+    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return torch.stack((tokens.double(), logprobs.double()))
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -62,7 +70,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.mixed_tokens = sorted(mixed_tokens) if batch.tile_block_q else []
         self.rows = torch.arange(self.sizes[-1], dtype=torch.int64, device=batch.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_bytes = 0  # memory the captured graphs hold
         if capture:
@@ -88,8 +96,11 @@ class DecodeGraphs:
             return out
         return self._forward_mixed(tokens)
 
-    def logits(self, size: int) -> torch.Tensor:
-        """Float32 logits ``(size, vocab)`` of the staged decode step, padded to ``size``."""
+    def logits(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of the staged decode step, padded to ``size`` rows: float32 logits
+        ``(size, vocab)`` and the greedy choice ``(2, size)`` float64 (token
+        ids, their logprobs; what ``sample`` gives greedy rows), both computed
+        in the graph so that an all-greedy step needs no more kernels."""
         if size in self.graphs:
             graph, out = self.graphs[size]
             graph.replay()
@@ -108,12 +119,13 @@ class DecodeGraphs:
         end.synchronize()
         return start.elapsed_time(end) / 1000 / reps
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch
         meta = b.metadata(size, size, query_start_loc_host=tuple(range(size + 1)), seq_lens_host=(1,) * size,
                           num_decodes=size)  # host tuples: not read by graph-safe backends
         hidden = self.model(b.region("input_ids", size), b.region("positions", size), meta, self.cache)
-        return self.model.compute_logits(hidden, self.rows[:size])
+        logits = self.model.compute_logits(hidden, self.rows[:size])
+        return logits, greedy_packed(logits)
 
     def _forward_mixed(self, tokens: int) -> torch.Tensor:
         b = self.batch
@@ -128,15 +140,15 @@ class DecodeGraphs:
         # Staged inputs of harmless steps: every row and token padding.
         self.batch.stage([], pad_seqs_to=self.batch.max_num_seqs, pad_tokens_to=max(self.mixed_tokens, default=1))
         for tokens in reversed(self.mixed_tokens):  # largest first: the pool fits the rest
-            self.mixed[tokens], pool = self._capture(lambda t=tokens: self._forward_mixed(t), pool)
+            self.mixed[tokens], pool = self._capture(functools.partial(self._forward_mixed, tokens), pool)
         self.batch.stage([], pad_seqs_to=self.sizes[-1])
         for size in reversed(self.sizes):
-            self.graphs[size], pool = self._capture(lambda s=size: self._forward(s), pool)
+            self.graphs[size], pool = self._capture(functools.partial(self._forward, size), pool)
         torch.cuda.synchronize()
         self.pool_bytes = torch.cuda.memory_reserved() - before
 
     @staticmethod
-    def _capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[tuple[torch.cuda.CUDAGraph, torch.Tensor], Any]:
+    def _capture(forward: Callable[[], Any], pool: Any) -> tuple[tuple[torch.cuda.CUDAGraph, Any], Any]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -21,7 +21,8 @@ from jitney.worker.backends import make_attention_backend
 from jitney.worker.config import WorkerConfig
 from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
 from jitney.worker.device import dtype_name, resolve_device, resolve_dtype, step_defaults
-from jitney.worker.input_batch import InputBatch, StepChunk
+from jitney.worker.attention import AttentionMetadata
+from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
 from jitney.worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
@@ -138,38 +139,52 @@ class ModelRunner:
         else:
             step = self.batch.stage(chunks, pad_seqs_to=size or 0)
         # Attention metadata (and the CPU backend's plan) before the model's clock starts.
-        eager = size is None and bucket is None
-        meta = self.model.backend.prepare(self.batch.step_metadata(step)) if eager else None
+        meta = self.model.backend.prepare(self.batch.step_metadata(step)) if size is None and bucket is None else None
         timer = _ModelTimer(self.device)
+        if graphs is not None and size is not None and step.num_plain == step.num_filtered == 0:
+            _, greedy = graphs.logits(size)   # every row greedy: the graph's own choice is the result
+            timer.stop()
+            sampled = self.batch.region("sample_tokens", step.num_sampled)
+            tokens, logprobs = _unpack(greedy.index_select(1, sampled).cpu())
+        else:
+            logits = self._logits(step, size, bucket, meta)
+            timer.stop()
+            if logits is None:   # nothing samples: no other sync
+                timer.sync()
+                result.model_seconds = timer.seconds()
+                return
+            tokens, logprobs = self._sample(step, logits)
+        result.model_seconds = timer.seconds()
+        self._record(step.sampled_seq_ids, tokens, logprobs, result)
+
+    def _logits(self, step: StagedStep, size: int | None, bucket: int | None,
+                meta: AttentionMetadata | None) -> torch.Tensor | None:
+        """Forward (a decode graph, a mixed graph, or eagerly) -> float32 logits of the sampled rows."""
+        sampled = self.batch.region("sample_tokens", step.num_sampled) if step.num_sampled else None
         if size is not None:
-            assert graphs is not None
-            logits = graphs.logits(size)
-            sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
-            if sample_tokens is not None:
-                logits = logits.index_select(0, sample_tokens)
-        elif bucket is not None:
-            assert graphs is not None
-            hidden = graphs.mixed_hidden(bucket)
-            sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
-            logits = self.model.compute_logits(hidden, sample_tokens) if sample_tokens is not None else hidden
+            assert self.graphs is not None
+            logits, _ = self.graphs.logits(size)
+            return logits.index_select(0, sampled) if sampled is not None else None
+        if bucket is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.mixed_hidden(bucket)
         else:
             assert meta is not None
             hidden = self.model(self.batch.region("input_ids", step.num_tokens),
                                 self.batch.region("positions", step.num_tokens), meta, self.cache)
-            sample_tokens, params, groups = self.batch.sampling(step) if step.num_sampled else (None, None, None)
-            logits = self.model.compute_logits(hidden, sample_tokens) if sample_tokens is not None else hidden
-        timer.stop()
-        if params is None or groups is None:
-            timer.sync()
-            result.model_seconds = timer.seconds()
-            return
+        return self.model.compute_logits(hidden, sampled) if sampled is not None else None
+
+    def _sample(self, step: StagedStep, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        _, params, groups = self.batch.sampling(step)
         if self.device.type != "cuda":
             groups = RowGroups(groups.plain, groups.filtered, full_sort=False)  # CPU: no sync to save
-        tokens, logprobs = _to_host(*sample(logits, params, groups))
-        result.model_seconds = timer.seconds()
-        for seq_id, token in zip(step.sampled_seq_ids, tokens):
+        return _to_host(*sample(logits, params, groups))
+
+    def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
+                result: engine_pb2.StepResult) -> None:
+        for seq_id, token in zip(seq_ids, tokens):
             self.sequences[seq_id].last_sampled = token
-        result.seq_ids.extend(step.sampled_seq_ids)
+        result.seq_ids.extend(seq_ids)
         result.token_ids.extend(tokens)
         result.logprobs.extend(logprobs)
 
@@ -206,5 +221,9 @@ class _ModelTimer:
 
 def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
     """Both result vectors in one device-to-host copy (float64 holds the ids exactly)."""
-    packed = torch.stack((tokens.double(), logprobs.double())).cpu()
+    return _unpack(torch.stack((tokens.double(), logprobs.double())).cpu())
+
+
+def _unpack(packed: torch.Tensor) -> tuple[list[int], list[float]]:
+    """(2, S) float64 on the host -> token ids, logprobs."""
     return [int(t) for t in packed[0].tolist()], packed[1].tolist()

@@ -101,37 +101,40 @@ def _rope_write_kv_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     qkv_stride, cos_sin_stride, cache_stride_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_P: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
+    NH_P: tl.constexpr, KVH_P: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):
-    # One program per (token, head); heads [0, nh) are q, [nh, nh + kvh) are k.
-    # q head h sits at columns h * d and k head j at (nh + j) * d, so the
-    # program's head index is also its column offset; v head j is kvh heads on.
+    # One program per token, all its heads at once: q head h sits at columns
+    # h * d of the token's row, k head j at (nh + j) * d, v head j at (nh + kvh + j) * d.
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HALF_P)
-    mask = dims < HALF
+    dim_ok = dims < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + dims, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + dims, mask=mask, other=0.0)
-    src = qkv_ptr + t * qkv_stride + head * HEAD_DIM
-    x1 = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + dims, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + dims, mask=dim_ok, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + dims, mask=dim_ok, other=0.0)[None, :]
+    row = qkv_ptr + t * qkv_stride
+    dtype = qkv_ptr.dtype.element_ty
     # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
-    o1 = _round(x1 * cos - x2 * sin, qkv_ptr.dtype.element_ty, SOFT_BF16)
-    o2 = _round(x2 * cos + x1 * sin, qkv_ptr.dtype.element_ty, SOFT_BF16)
-    if head < NUM_HEADS:
-        tl.store(src + dims, o1, mask=mask)
-        tl.store(src + HALF + dims, o2, mask=mask)
-    else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:  # negative: a padding token, not cached
-            dst = slot * cache_stride_slot + (head - NUM_HEADS) * HEAD_DIM + dims
-            tl.store(k_cache_ptr + dst, o1, mask=mask)
-            tl.store(k_cache_ptr + dst + HALF, o2, mask=mask)
-            v = src + NUM_KV_HEADS * HEAD_DIM
-            tl.store(v_cache_ptr + dst, tl.load(v + dims, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF, tl.load(v + HALF + dims, mask=mask), mask=mask)
+    qh = tl.arange(0, NH_P)[:, None]
+    q_ok = (qh < NUM_HEADS) & dim_ok[None, :]
+    q = row + qh * HEAD_DIM + dims[None, :]
+    x1 = tl.load(q, mask=q_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(q + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    tl.store(q, _round(x1 * cos - x2 * sin, dtype, SOFT_BF16), mask=q_ok)
+    tl.store(q + HALF, _round(x2 * cos + x1 * sin, dtype, SOFT_BF16), mask=q_ok)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # negative: a padding token, not cached
+        kh = tl.arange(0, KVH_P)[:, None]
+        kv_ok = (kh < NUM_KV_HEADS) & dim_ok[None, :]
+        k = row + (NUM_HEADS + kh) * HEAD_DIM + dims[None, :]
+        v = k + NUM_KV_HEADS * HEAD_DIM
+        dst = slot * cache_stride_slot + kh * HEAD_DIM + dims[None, :]
+        k1 = tl.load(k, mask=kv_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(k + HALF, mask=kv_ok, other=0.0).to(tl.float32)
+        tl.store(k_cache_ptr + dst, _round(k1 * cos - k2 * sin, dtype, SOFT_BF16), mask=kv_ok)
+        tl.store(k_cache_ptr + dst + HALF, _round(k2 * cos + k1 * sin, dtype, SOFT_BF16), mask=kv_ok)
+        tl.store(v_cache_ptr + dst, tl.load(v, mask=kv_ok), mask=kv_ok)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=kv_ok), mask=kv_ok)
 
 
 def _check_rows(name: str, tensor: torch.Tensor, width: int | None = None, like: torch.Tensor | None = None) -> None:
@@ -305,9 +308,10 @@ def rope_write_kv(
         _check_index("slot_mapping", slot_mapping, tokens, qkv.device)
     if tokens == 0:
         return
-    _rope_write_kv_kernel[(tokens, num_heads + num_kv_heads)](
+    _rope_write_kv_kernel[(tokens,)](
         qkv, positions, cos_sin, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_P=triton.next_power_of_2(head_dim // 2), SOFT_BF16=_soft_bf16(qkv.dtype),
+        HALF_P=triton.next_power_of_2(head_dim // 2), NH_P=triton.next_power_of_2(num_heads),
+        KVH_P=triton.next_power_of_2(num_kv_heads), SOFT_BF16=_soft_bf16(qkv.dtype),
     )
