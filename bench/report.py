@@ -22,6 +22,8 @@ Reproduce: `.venv/bin/python bench/run_benchmarks.py` (all cases, ~15 min), or
     jitney serve --trace /tmp/t.jsonl &          # flags of the case
     jitney bench --workload ../shared/bench/offline-64.jsonl --json /tmp/r.json
 
+The GPU figures (`bench/gpu.py`, on an H100/H200) are in [benchmarks-gpu.md](benchmarks-gpu.md).
+
 Machine: {machine}.
 """
 

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,9 +33,18 @@ class Server:
     target: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    _channel: grpc.Channel | None = field(default=None, repr=False)
 
     def stub(self) -> pb_grpc.GenerationServiceStub:
-        return pb_grpc.GenerationServiceStub(grpc.insecure_channel(self.target))
+        """A stub on the server's one shared channel (opened on first use, closed with the server)."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.target)
+        return pb_grpc.GenerationServiceStub(self._channel)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -69,6 +78,7 @@ def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
             _wait_serving(server, startup_timeout)
         yield server
     finally:
+        server.close()
         _stop(proc)
 
 
