@@ -58,6 +58,7 @@ import gc
 import importlib.metadata
 import inspect
 import json
+import logging
 import math
 import os
 import platform
@@ -576,11 +577,22 @@ def steps_prefill(shape: str, runner: ModelRunner, run: Run) -> None:
     if not run.budget.allows(5.0):
         run.skip(f"{shape} prefill", "budget spent")
         return
+    graphs = decode_graphs(runner)
+    mixed = list(getattr(graphs, "mixed_tokens", []) or [])
     for tokens in run.args.prefill_tokens:
-        row = measure_prefill(runner, run, tokens)
-        run.shape(shape).setdefault("prefill", []).append(row)
-        log(f"   prefill {row['tokens']} tokens: execute() {row['execute_s_median'] * 1e3:.2f} ms median "
-            f"(first {row['first_s'] * 1e3:.1f} ms)")
+        modes = ["graph", "eager"] if mixed and tokens <= mixed[-1] else ["eager"]
+        for mode in modes:
+            # The same runner with its mixed-step graphs set aside: the eager path, side by side.
+            graphs_on = mode == "graph" or not mixed
+            if mixed:
+                graphs.mixed_tokens = mixed if graphs_on else []
+            row = measure_prefill(runner, run, tokens)
+            row["mode"] = mode
+            run.shape(shape).setdefault("prefill", []).append(row)
+            log(f"   prefill {row['tokens']} tokens ({mode}): execute() {row['execute_s_median'] * 1e3:.2f} ms "
+                f"median (first {row['first_s'] * 1e3:.1f} ms)")
+        if mixed:
+            graphs.mixed_tokens = mixed
     if run.args.profile and is_cuda(run.args):
         profile_steps(shape, runner, run)
 
@@ -792,11 +804,13 @@ def decode_table(run: Run) -> list[str]:
 def prefill_table(run: Run) -> list[str]:
     lines = ["## Prefill step (worker `ModelRunner.execute()`)", "",
              "One step of a single chunk of N prompt tokens (a fresh sequence each time): the first (cold), "
-             "then, after one more warm-up, median and best of the reps.", "",
-             "| shape | tokens | execute() median ms | execute() best ms | first ms |", "|---|---|---|---|---|"]
+             "then, after one more warm-up, median and best of the reps. \"step\": a captured mixed-step graph "
+             "(steps up to 512 tokens) or eager; up to 512 tokens both run, on the same runner.", "",
+             "| shape | tokens | step | execute() median ms | execute() best ms | first ms |",
+             "|---|---|---|---|---|---|"]
     for shape, data in run.shapes.items():
         for row in data.get("prefill", []):
-            lines.append(f"| {shape} | {row['tokens']} | {_ms(row['execute_s_median'])} | "
+            lines.append(f"| {shape} | {row['tokens']} | {row.get('mode', 'eager')} | {_ms(row['execute_s_median'])} | "
                          f"{_ms(row['execute_s_min'])} | {_ms(row['first_s'])} |")
     return lines
 
@@ -899,6 +913,8 @@ def write_outputs(run: Run) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = fill_defaults(build_parser().parse_args(argv))
+    # The worker's own lines (KV cache size, graph memory, warm-up) from the runners built here.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     budget = Budget(args.budget_s)
     tree = ensure_jitney_importable()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="jitney-gpu-bench-"))

@@ -137,24 +137,27 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         before = torch.cuda.memory_reserved()
         pool = None
+        # One side stream for every warm-up: the caching allocator keeps blocks (and cuBLAS a
+        # workspace) per stream, so a new stream per size would hold that many copies.
+        side = torch.cuda.Stream()
         # Staged inputs of harmless steps: every row and token padding.
         self.batch.stage([], pad_seqs_to=self.batch.max_num_seqs, pad_tokens_to=max(self.mixed_tokens, default=1))
         for tokens in reversed(self.mixed_tokens):  # largest first: the pool fits the rest
-            self.mixed[tokens], pool = self._capture(functools.partial(self._forward_mixed, tokens), pool)
+            self.mixed[tokens], pool = _capture(functools.partial(self._forward_mixed, tokens), side, pool)
         self.batch.stage([], pad_seqs_to=self.sizes[-1])
         for size in reversed(self.sizes):
-            self.graphs[size], pool = self._capture(functools.partial(self._forward, size), pool)
+            self.graphs[size], pool = _capture(functools.partial(self._forward, size), side, pool)
         torch.cuda.synchronize()
         self.pool_bytes = torch.cuda.memory_reserved() - before
 
-    @staticmethod
-    def _capture(forward: Callable[[], Any], pool: Any) -> tuple[tuple[torch.cuda.CUDAGraph, Any], Any]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()  # warm-up: compiles the kernels outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = forward()
-        return (graph, out), (graph.pool() if pool is None else pool)
+
+def _capture(forward: Callable[[], Any], side: torch.cuda.Stream, pool: Any) -> tuple[tuple[torch.cuda.CUDAGraph, Any], Any]:
+    """Warm ``forward`` up on ``side`` (compiling its kernels outside the capture), then capture it."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return (graph, out), (graph.pool() if pool is None else pool)

@@ -6,8 +6,9 @@ sized from the memory left after the model *and* the activations:
 
     # reserve.activations  peak of one max-budget prefill step + logits of every seat
     #                      (stays reserved by the caching allocator for eager steps)
-    # reserve.graphs       peak of one all-seats decode step: what the captured
-    #                      decode graphs' private pool takes (x 1.25)
+    # reserve.graphs       what the captured graphs' private pool takes: the peak of an
+    #                      all-seats decode step or of the largest mixed bucket (x 1.25),
+    #                      plus every graph's kept outputs (logits per decode size, ...)
 
 ``warm_up`` then drives the runner's own ``execute`` with a few synthetic
 plans (a long prefill, a mixed step, decodes, every sampling group), so
@@ -24,6 +25,7 @@ import torch
 
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.attention import AttentionMetadata
+from jitney.worker.cuda_graphs import capture_sizes, mixed_buckets
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache
 from jitney.worker.model import CausalLM
 
@@ -57,9 +59,21 @@ def profile_activations(model: CausalLM, geometry: CacheGeometry, device: torch.
     scratch = PagedKVCache(geometry, blocks, device)
     prefill = _peak(model, scratch, [tokens], bs, logits_rows=max_seqs)
     decode = _peak(model, scratch, [1] * max_seqs, bs, logits_rows=max_seqs)
+    mixed = max((_peak(model, scratch, [t], bs, logits_rows=1) for t in mixed_buckets(tokens)[-1:]), default=0)
     del scratch
     torch.cuda.empty_cache()
-    return MemoryReserve(activations=prefill, graphs=int(decode * GRAPH_MARGIN))
+    return MemoryReserve(activations=prefill, graphs=int(max(decode, mixed) * GRAPH_MARGIN)
+                         + _graph_outputs(model, max_seqs, tokens))
+
+
+def _graph_outputs(model: CausalLM, max_seqs: int, max_tokens: int) -> int:
+    """Bytes the captured graphs keep as their outputs: each decode size's float32
+    logits and greedy choice, each mixed bucket's hidden states."""
+    cfg = model.config
+    itemsize = model.model.embed_tokens.weight.element_size()
+    decode = sum(s * (cfg.vocab_size * 4 + 16) for s in capture_sizes(max_seqs))
+    mixed = sum(t * cfg.hidden_size * itemsize for t in mixed_buckets(max_tokens))
+    return decode + mixed
 
 
 def _peak(model: CausalLM, cache: PagedKVCache, query_lens: list[int], block_size: int, logits_rows: int) -> int:
