@@ -1,4 +1,4 @@
-"""bench/gpu.py's plumbing on the CPU: the tiny shape, the first 4 requests of offline-64.
+"""bench/gpu.py's plumbing on the CPU: the tiny shape, 4 requests in offline-64's format.
 
 The GPU benchmark itself runs on a GPU machine (../shared/gpu/README.md);
 this keeps every section of it (servers + `jitney bench` + step traces, the
@@ -16,19 +16,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ROOT.parent / "shared" / "bench"
 LIMIT = 4
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (WORKLOADS / "offline-64.jsonl").exists(), reason=f"no {WORKLOADS}/offline-64.jsonl"),
-]
+pytestmark = pytest.mark.slow
+
+
+def write_workload(folder: Path) -> Path:
+    """An offline-64.jsonl of LIMIT requests (all at t = 0), so the test needs no ../shared."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": f"r{i:04d}", "arrival_s": 0.0, "prompt_token_ids": [(97 * i + 13 * j) % 40000 + 5 for j in range(8 + 5 * i)],
+             "max_tokens": 6 + 3 * i} for i in range(LIMIT)]
+    (folder / "offline-64.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     tmp = tmp_path_factory.mktemp("gpu_bench")
     cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT), "--shape", "tiny",
+           "--workload-dir", str(write_workload(tmp / "workloads")),
            "--out", str(tmp / "x.md"), "--json", str(tmp / "x.json"), "--workdir", str(tmp / "work"),
            "--budget-s", "100"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)

@@ -33,6 +33,7 @@ import torch
 from jitney.worker.input_batch import InputBatch, StepChunk
 from jitney.worker.kv_cache import PagedKVCache
 from jitney.worker.model import CausalLM
+from jitney.worker.sampler import first_argmax, logprobs_of
 
 
 # Token buckets of the mixed-step graphs: the steps launch overhead would dominate.
@@ -46,8 +47,8 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
 
 def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     """(2, rows) float64: each row's greedy token id and its logprob, as ``sampler.sample`` computes them."""
-    tokens = logits.max(dim=-1).indices
-    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    tokens = first_argmax(logits)
+    logprobs = logprobs_of(logits, tokens, logits.gather(-1, tokens[:, None]))
     return torch.stack((tokens.double(), logprobs.double()))
 
 

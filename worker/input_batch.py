@@ -32,6 +32,7 @@ Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,9 +56,9 @@ def _layout(max_tokens: int, max_seqs: int, max_tiles: int) -> dict[str, tuple[i
     return layout
 
 
-@dataclass(frozen=True)
-class StepChunk:
-    """One scheduled chunk as the runner hands it over: tokens resolved."""
+class StepChunk(NamedTuple):
+    """One scheduled chunk as the runner hands it over: tokens resolved (a
+    named tuple: the runner makes one per sequence per step)."""
 
     seq_id: int
     start: int          # position of the first token

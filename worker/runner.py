@@ -125,9 +125,10 @@ class ModelRunner:
     def _chunks(self, plan: engine_pb2.StepPlan) -> list[StepChunk]:
         """The plan's chunks, decodes first and shortest context first (the CPU
         attention backend batches decodes in runs of similar length)."""
-        chunks = [StepChunk(c.seq_id, c.start_position, chunk_tokens(c, self.sequences[c.seq_id]), c.sample, i)
+        seqs = self.sequences
+        chunks = [StepChunk(c.seq_id, c.start_position, chunk_tokens(c, seqs[c.seq_id]), c.sample, i)
                   for i, c in enumerate(plan.chunks)]
-        chunks.sort(key=lambda c: (len(c.tokens) != 1, c.start))
+        chunks.sort(key=_decodes_first)
         return chunks
 
     def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult) -> None:
@@ -187,6 +188,10 @@ class ModelRunner:
         result.seq_ids.extend(seq_ids)
         result.token_ids.extend(tokens)
         result.logprobs.extend(logprobs)
+
+
+def _decodes_first(chunk: StepChunk) -> tuple[bool, int]:
+    return len(chunk.tokens) != 1, chunk.start
 
 
 class _ModelTimer:
