@@ -8,8 +8,6 @@ CPU. Sizes are tiny: the interpreter runs every program in numpy.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -17,15 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from triton_support import DEVICE, compile_for_gpus, interpret_without_cuda, skip_unless_interpreted
+
+triton = interpret_without_cuda()
 
 from jitney.worker.triton_fused import fused_add_rms_norm, rms_norm, rope_write_kv, silu_mul  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and not triton.knobs.runtime.interpret:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
+skip_unless_interpreted(triton)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}
 EPS = 1e-6
@@ -330,16 +326,7 @@ def test_rms_norm_on_cuda_at_model_sizes(hidden: int) -> None:
 
 
 COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from jitney.worker import triton_fused as k
-
-def build(fn, types, consts, arch):
-    names = fn.arg_names
-    sig = dict(zip(names, types + ["constexpr"] * len(consts)))
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
 for arch, dts in ((80, ("bf16", "fp32")), (90, ("bf16", "fp16"))):
     for dt in dts:
@@ -356,7 +343,4 @@ print("compiled")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA compiler ships for Linux only")
 def test_fused_kernels_compile_for_sm80_and_sm90_without_a_gpu() -> None:
     """What the interpreter cannot check: the kernels lower to PTX (Ampere, Hopper)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    compile_for_gpus(COMPILE)

@@ -9,24 +9,20 @@ GPU. Sizes are tiny: the interpreter runs every program in numpy.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from triton_support import DEVICE, compile_for_gpus, interpret_without_cuda, skip_unless_interpreted
+
+triton = interpret_without_cuda()
 
 from jitney.worker.triton_attention import paged_attention, prefill_block_q, tile_map  # noqa: E402
 from jitney.worker.triton_cache import write_kv_cache  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and not triton.knobs.runtime.interpret:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
+skip_unless_interpreted(triton)
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -202,23 +198,14 @@ def test_write_kv_cache_rejects_bad_arguments() -> None:
 
 
 COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from jitney.worker.triton_attention import _paged_attention_kernel as attn
 from jitney.worker.triton_cache import _write_kv_kernel as write
-
-def build(fn, types, consts, arch):
-    names = fn.arg_names
-    sig = dict(zip(names, types + ["constexpr"] * len(consts)))
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
 for arch in (80, 90):
     for dt in ("bf16", "fp16", "fp32"):
         for flat in (False, True):  # the runner's block tables are int32
             build(attn, [f"*{dt}"] * 4 + ["*i64", "*i64", "*i32", "*i64", "*i64"] + ["fp32"] + ["i32"] * 9,
-                  dict(G=3, GP=4, HEAD_DIM=128, HEAD_P=128, BLOCK_Q=16, BLOCK_N=32, F32_DOT=dt == "fp32",
+                  dict(G=3, GP=4, HEAD_DIM=128, HEAD_P=128, BLOCK_Q=16, BLOCK_N=64, F32_DOT=dt == "fp32",
                        FLAT=flat), arch)
         build(write, [f"*{dt}"] * 4 + ["*i64"] + ["i32"] * 6, dict(NUM_HEADS=3, HEADS_P=4, HEAD_DIM=64, HEAD_P=64), arch)
 print("compiled")
@@ -228,7 +215,4 @@ print("compiled")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA compiler ships for Linux only")
 def test_kernels_compile_for_sm80_and_sm90_without_a_gpu() -> None:
     """What the interpreter cannot check: the kernels lower to PTX (Ampere, Hopper)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    compile_for_gpus(COMPILE)

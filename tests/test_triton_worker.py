@@ -7,15 +7,14 @@ over the staging buffer), and the backend choice.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_support import interpret_without_cuda
+
+interpret_without_cuda()
 
 from jitney.engine.v1 import engine_pb2 as pb  # noqa: E402
 from bench.tiny_models import make_tiny_llama  # noqa: E402
