@@ -474,25 +474,12 @@ def timed_execute(runner: ModelRunner, plan: engine_pb2.StepPlan, expected: int)
     return elapsed
 
 
-def decode_graphs(runner: ModelRunner) -> Any:
-    """The runner's captured decode graphs, or None: ``runner.graphs`` (or, in older
-    layouts, ``runner.cuda_steps.graphs``); read with getattr, as the worker is reworked."""
-    graphs = getattr(runner, "graphs", None)
-    if graphs is None:
-        graphs = getattr(getattr(runner, "cuda_steps", None), "graphs", None)
-    return graphs
-
-
 def graph_replay_s(runner: ModelRunner, batch: int) -> tuple[float | None, str]:
     """The captured decode graph alone (``replay_seconds``: CUDA events), or None and why not."""
-    graphs = decode_graphs(runner)
-    if graphs is None:
+    if runner.graphs is None:
         return None, "no captured graphs (CPU or eager backend)"
-    method = getattr(graphs, "replay_seconds", None)
-    if method is None:
-        return None, "DecodeGraphs.replay_seconds not available"
     try:
-        return float(method(batch)), ""
+        return runner.graphs.replay_seconds(batch), ""
     except Exception as exc:  # noqa: BLE001 - reported, not fatal: the rest still measures
         return None, f"replay_seconds({batch}) failed: {type(exc).__name__}: {exc}"
 
@@ -577,21 +564,20 @@ def steps_prefill(shape: str, runner: ModelRunner, run: Run) -> None:
     if not run.budget.allows(5.0):
         run.skip(f"{shape} prefill", "budget spent")
         return
-    graphs = decode_graphs(runner)
-    mixed = list(getattr(graphs, "mixed_tokens", []) or [])
+    graphs = runner.graphs
+    mixed = list(graphs.mixed_tokens) if graphs is not None else []
     for tokens in run.args.prefill_tokens:
         modes = ["graph", "eager"] if mixed and tokens <= mixed[-1] else ["eager"]
         for mode in modes:
-            # The same runner with its mixed-step graphs set aside: the eager path, side by side.
-            graphs_on = mode == "graph" or not mixed
-            if mixed:
-                graphs.mixed_tokens = mixed if graphs_on else []
+            if graphs is not None and mixed:
+                # The same runner with its mixed-step graphs set aside: the eager path, side by side.
+                graphs.mixed_tokens = mixed if mode == "graph" else []
             row = measure_prefill(runner, run, tokens)
             row["mode"] = mode
             run.shape(shape).setdefault("prefill", []).append(row)
             log(f"   prefill {row['tokens']} tokens ({mode}): execute() {row['execute_s_median'] * 1e3:.2f} ms "
                 f"median (first {row['first_s'] * 1e3:.1f} ms)")
-        if mixed:
+        if graphs is not None and mixed:
             graphs.mixed_tokens = mixed
     if run.args.profile and is_cuda(run.args):
         profile_steps(shape, runner, run)

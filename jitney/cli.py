@@ -3,8 +3,9 @@
 ``serve``, ``scheduler`` and ``worker`` run ``jitney.scheduler`` and
 ``jitney.worker``; ``generate``, ``health`` and ``bench`` are
 ``jitney.client``'s; ``plot`` draws step traces (``jitney.scheduler.plot``).
-Every part is imported only inside the function that needs it, so the client
-library never pulls in the server's code.
+The client's small command module is imported at start; the scheduler and
+the worker only inside the function that runs them, so the client library
+never pulls in the server's code.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from triton_support import DEVICE, compile_for_gpus, interpret_without_cuda, ski
 
 triton = interpret_without_cuda()
 
-from jitney.worker.triton_attention import paged_attention, prefill_block_q, tile_map  # noqa: E402
+from jitney.worker.input_batch import tile_map  # noqa: E402
+from jitney.worker.triton_attention import paged_attention, prefill_block_q  # noqa: E402
 from jitney.worker.triton_cache import write_kv_cache  # noqa: E402
 
 skip_unless_interpreted(triton)
@@ -121,7 +122,7 @@ def test_tile_mapped_launch_matches_reference(geometry: tuple) -> None:
     case["seq_lens"][len(seq_lens) - 2:] = 0        # padding rows: no keys
     block_q = prefill_block_q(kvh * group, kvh)
     seqs, idx = tile_map(query_lens, block_q, num_tiles=sum(-(-n // block_q) for n in query_lens) + 5)
-    assert seqs.count(2) == -(-70 // block_q) and seqs[-1] == -1
+    assert list(seqs).count(2) == -(-70 // block_q) and seqs[-1] == -1
     tiles = (torch.tensor(seqs, device=DEVICE), torch.tensor(idx, device=DEVICE))
     scale = head_dim**-0.5
     got = paged_attention(case["query"], case["k_cache"], case["v_cache"], case["query_start_loc"], case["seq_lens"],

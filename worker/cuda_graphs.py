@@ -33,7 +33,7 @@ import torch
 from jitney.worker.input_batch import InputBatch, StepChunk
 from jitney.worker.kv_cache import PagedKVCache
 from jitney.worker.model import CausalLM
-from jitney.worker.sampler import first_argmax, logprobs_of
+from jitney.worker.sampler import first_argmax, logprobs_of, pack_results
 
 
 # Token buckets of the mixed-step graphs: the steps launch overhead would dominate.
@@ -48,8 +48,7 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
 def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     """(2, rows) float64: each row's greedy token id and its logprob, as ``sampler.sample`` computes them."""
     tokens = first_argmax(logits)
-    logprobs = logprobs_of(logits, tokens, logits.gather(-1, tokens[:, None]))
-    return torch.stack((tokens.double(), logprobs.double()))
+    return pack_results(tokens, logprobs_of(logits, tokens, logits.gather(-1, tokens[:, None])))
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from jitney.worker.attention import AttentionMetadata
-from jitney.worker.sampler import RowGroups, SamplingBatch, split_seed
+from jitney.worker.sampler import RowGroups, SamplingBatch, random_row_masks, split_seed
 
 REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens", "seq_rows",
            "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered", "tile_seq", "tile_idx")
@@ -54,6 +54,21 @@ def _layout(max_tokens: int, max_seqs: int, max_tiles: int) -> dict[str, tuple[i
         layout[name] = (offset, size)
         offset += size
     return layout
+
+
+def tile_map(query_lens: np.ndarray | list[int], block_q: int, num_tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tile_seq, tile_idx) of a ragged batch for the attention's tile-mapped launch:
+    sequence and index of each tile of ``block_q`` query tokens, padded with -1 / 0
+    to ``num_tiles``. Raises ``ValueError`` when the tiles do not fit."""
+    counts = -(-np.asarray(query_lens, dtype=np.int64) // block_q)
+    total = int(counts.sum())
+    if total > num_tiles:
+        raise ValueError(f"{total} query tiles exceed the map's {num_tiles}")
+    seqs = np.full(num_tiles, -1, dtype=np.int64)
+    idx = np.zeros(num_tiles, dtype=np.int64)
+    seqs[:total] = np.repeat(np.arange(len(counts)), counts)
+    idx[:total] = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return seqs, idx
 
 
 class StepChunk(NamedTuple):
@@ -149,10 +164,6 @@ class InputBatch:
         self._num_blocks[row] = start + len(block_ids)
         self._table_dirty = True
 
-    def block_ids(self, seq_id: int) -> list[int]:
-        row = self.rows[seq_id]
-        return self._table[row, : self._num_blocks[row]].tolist()
-
     # -- one step ------------------------------------------------------------
 
     def region(self, name: str, length: int) -> torch.Tensor:
@@ -214,12 +225,10 @@ class InputBatch:
                           [chunks[i].seq_id for i in sampled], len(plain), len(filtered))
 
     def _fill_tiles(self, qlens: np.ndarray) -> None:
-        """The tile map of the step's sequences, padded with -1 to the region's end."""
-        counts = -(-qlens // self.tile_block_q)
-        seqs = np.repeat(np.arange(len(qlens)), counts)
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        self._fill("tile_seq", seqs, self.max_tiles, pad=-1)
-        self._fill("tile_idx", np.arange(len(seqs)) - starts, self.max_tiles)
+        """The tile map of the step's sequences, padded to the region's end."""
+        seqs, idx = tile_map(qlens, self.tile_block_q, self.max_tiles)
+        self._fill("tile_seq", seqs)
+        self._fill("tile_idx", idx)
 
     def step_metadata(self, step: StagedStep) -> AttentionMetadata:
         """The (unpadded) step's attention metadata, computed on the device."""
@@ -255,17 +264,17 @@ class InputBatch:
         i = self.iparams.index_select(1, rows)
         params = SamplingBatch(temperature=f[0], top_p=f[1], top_k=i[0], seed_lo=i[1], seed_hi=i[2],
                                position=self.region("sample_pos", s))
+        # CUDA sorts filtered rows fully (no sync); the CPU tries the top candidates first.
         groups = RowGroups(self.region("plain", step.num_plain), self.region("filtered", step.num_filtered),
-                           full_sort=True)
+                           full_sort=self.device.type == "cuda")
         return self.region("sample_tokens", s), params, groups
 
     def _row_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sampled rows (indices into ``rows``) that sample randomly, plain and filtered."""
         temperature, top_p = self._host_fparams.numpy()[:, rows]
         top_k = self._host_iparams.numpy()[0, rows]
-        random = temperature > 0
-        filtered = random & ((top_k > 0) | (top_p < 1.0))
-        return np.flatnonzero(random & ~filtered), np.flatnonzero(filtered)
+        plain, filtered = random_row_masks(temperature, top_p, top_k)
+        return np.flatnonzero(plain), np.flatnonzero(filtered)
 
     def _copy_to_device(self) -> None:
         if self.staging is self._host_staging:

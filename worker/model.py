@@ -98,7 +98,6 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5

@@ -17,17 +17,16 @@ import time
 import torch
 
 from jitney.engine.v1 import engine_pb2
-from jitney.worker.backends import make_attention_backend
+from jitney.worker.attention import AttentionMetadata
+from jitney.worker.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
 from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
 from jitney.worker.device import dtype_name, resolve_device, resolve_dtype, step_defaults
-from jitney.worker.attention import AttentionMetadata
 from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
 from jitney.worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
-from jitney.worker.sampler import RowGroups, sample
-from jitney.worker.backends import prefill_block_q
+from jitney.worker.sampler import pack_results, sample
 from jitney.worker.warmup import profile_activations, warm_up
 
 logger = logging.getLogger("jitney.worker")
@@ -41,7 +40,7 @@ class ModelRunner:
     (tests emulate graphs on the CPU that way).
     """
 
-    def __init__(self, config: WorkerConfig, *, capture_graphs: bool | None = None, warm: bool = True) -> None:
+    def __init__(self, config: WorkerConfig, *, capture_graphs: bool | None = None) -> None:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -72,8 +71,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.cache, self.batch, capture_sizes(max_seqs),
                                     mixed_tokens=mixed_buckets(max_tokens))
                        if capture_graphs else None)
-        if warm:
-            warm_up(self)
+        warm_up(self)
         self.warmup_seconds = time.perf_counter() - loaded
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s); step budget %d tokens, %d seats; "
@@ -177,9 +175,7 @@ class ModelRunner:
 
     def _sample(self, step: StagedStep, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         _, params, groups = self.batch.sampling(step)
-        if self.device.type != "cuda":
-            groups = RowGroups(groups.plain, groups.filtered, full_sort=False)  # CPU: no sync to save
-        return _to_host(*sample(logits, params, groups))
+        return _unpack(pack_results(*sample(logits, params, groups)).cpu())
 
     def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
                 result: engine_pb2.StepResult) -> None:
@@ -224,11 +220,6 @@ class _ModelTimer:
         return self.elapsed
 
 
-def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Both result vectors in one device-to-host copy (float64 holds the ids exactly)."""
-    return _unpack(torch.stack((tokens.double(), logprobs.double())).cpu())
-
-
 def _unpack(packed: torch.Tensor) -> tuple[list[int], list[float]]:
-    """(2, S) float64 on the host -> token ids, logprobs."""
+    """``pack_results``' (2, S) float64, copied to the host -> token ids, logprobs."""
     return [int(t) for t in packed[0].tolist()], packed[1].tolist()

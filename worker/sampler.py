@@ -14,7 +14,9 @@ sequence was preempted and recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -133,6 +135,9 @@ def _gumbel(params: SamplingBatch, token_ids: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().log_().neg_()
 
 
+_Array = TypeVar("_Array", torch.Tensor, np.ndarray)
+
+
 @dataclass(frozen=True)
 class RowGroups:
     """Which rows sample how: greedy rows are all the others.
@@ -149,10 +154,17 @@ class RowGroups:
 
     @classmethod
     def on_device(cls, params: SamplingBatch) -> RowGroups:
-        """Found from the device parameters with ``nonzero()`` (waits for the device: the CPU path)."""
-        random = params.temperature > 0
-        filtered = random & ((params.top_k > 0) | (params.top_p < 1.0))
-        return cls((random & ~filtered).nonzero().squeeze(-1), filtered.nonzero().squeeze(-1), full_sort=False)
+        """Found from the device parameters with ``nonzero()`` (waits for the device)."""
+        plain, filtered = random_row_masks(params.temperature, params.top_p, params.top_k)
+        return cls(plain.nonzero().squeeze(-1), filtered.nonzero().squeeze(-1), full_sort=False)
+
+
+def random_row_masks(temperature: _Array, top_p: _Array, top_k: _Array) -> tuple[_Array, _Array]:
+    """Which rows sample randomly from the whole distribution (plain) and which
+    with top-k / top-p (filtered); the others are greedy. Torch tensors or numpy arrays."""
+    random = temperature > 0
+    filtered = random & ((top_k > 0) | (top_p < 1.0))
+    return random & ~filtered, filtered
 
 
 def sample(
@@ -183,6 +195,12 @@ def sample(
         else:
             tokens[groups.filtered] = _sample_filtered(scaled, rows, candidates)
     return tokens, logprobs_of(logits, tokens, row_max)
+
+
+def pack_results(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """(2, S) float64 of token ids and their logprobs, for one device-to-host copy
+    (float64 holds the ids exactly)."""
+    return torch.stack((tokens.double(), logprobs.double()))
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:

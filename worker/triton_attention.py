@@ -153,7 +153,7 @@ def paged_attention(
     query_start_loc (B + 1,), seq_lens (B,), block_tables (B, max_blocks).
     ``max_query_len`` (a host int, at least the longest query run) sizes
     the grid. ``tiles`` (a tile map: ``tile_seq``, ``tile_idx``, both
-    ``(num_tiles,)`` int, from ``tile_map``) instead launches one program per
+    ``(num_tiles,)`` int, from ``input_batch.tile_map``) instead launches one program per
     listed tile of ``prefill_block_q`` query tokens (``tile_seq`` -1: none),
     so the grid depends on no host value of the step: a mixed step can be
     captured in a CUDA graph. Indices are not range-checked (the runner validates plans).
@@ -196,20 +196,6 @@ def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens per tile of a prefill (or tile-mapped) launch."""
     gp = triton.next_power_of_2(num_heads // num_kv_heads)
     return max(gp, PREFILL_ROWS) // gp
-
-
-def tile_map(query_lens: list[int], block_q: int, num_tiles: int) -> tuple[list[int], list[int]]:
-    """(tile_seq, tile_idx) of a ragged batch, padded with -1 / 0 to ``num_tiles``."""
-    seqs: list[int] = []
-    idx: list[int] = []
-    for s, n in enumerate(query_lens):
-        count = -(-n // block_q)
-        seqs += [s] * count
-        idx += range(count)
-    if len(seqs) > num_tiles:
-        raise ValueError(f"{len(seqs)} query tiles exceed the map's {num_tiles}")
-    pad = num_tiles - len(seqs)
-    return seqs + [-1] * pad, idx + [0] * pad
 
 
 class TritonPagedAttention(AttentionBackend):

@@ -42,10 +42,6 @@ class MemoryReserve:
     activations: int = 0
     graphs: int = 0
 
-    @property
-    def total(self) -> int:
-        return self.activations + self.graphs
-
 
 @torch.inference_mode()
 def profile_activations(model: CausalLM, geometry: CacheGeometry, device: torch.device,
