@@ -64,13 +64,19 @@ def health_status(target: str, timeout: float = 2.0) -> int | None:
 
 @contextmanager
 def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
-                   wait_serving: bool = True, startup_timeout: float = 240.0) -> Iterator[Server]:
-    """Run `jitney <command> --port P <args>` until the block ends."""
+                   wait_serving: bool = True, startup_timeout: float = 240.0,
+                   python: str = sys.executable) -> Iterator[Server]:
+    """Run `jitney <command> --port P <args>` until the block ends.
+
+    ``python``: the interpreter whose ``jitney`` runs (another build's, to
+    compare); it runs outside this checkout, whose ``jitney/`` would shadow its own.
+    """
     port = free_port()
     log_path = log_dir / f"jitney-{command}-{port}.log"
-    cmd = [sys.executable, "-m", "jitney.cli", command, "--port", str(port), *args]
+    cmd = [python, "-m", "jitney.cli", command, "--port", str(port), *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=ROOT if python == sys.executable else log_dir,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = Server(f"127.0.0.1:{port}", proc, log_path)
     try:

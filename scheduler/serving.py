@@ -75,7 +75,8 @@ class Lifecycle:
         print(f"jitney: ready on {self.address}: {ready.model_name} ({ready.dtype}, {ready.device}), "
               f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, step budget "
               f"{engine.config.max_num_batched_tokens} tokens, {engine.config.max_num_seqs} seats, "
-              f"warm-up {ready.warmup_seconds:.1f} s, worker pid {ready.worker_pid}", flush=True)
+              f"warm-up {ready.warmup_seconds:.1f} s, batch-invariant {'on' if ready.batch_invariant else 'off'}, "
+              f"worker pid {ready.worker_pid}", flush=True)
         return engine
 
     async def _serve(self, engine: Engine) -> bool:

@@ -42,6 +42,10 @@ def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[
         if not action.option_strings or action.dest == "help" or not hasattr(ns, action.dest):
             continue
         value = getattr(ns, action.dest)
+        if isinstance(action, argparse.BooleanOptionalAction):   # --flag / --no-flag
+            if value is not None:
+                argv.append(action.option_strings[0] if value else action.option_strings[1])
+            continue
         if value is None or value is False:
             continue
         flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]

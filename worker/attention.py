@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from jitney.worker import cpu_kernels
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -363,3 +365,33 @@ class TorchPagedAttention(AttentionBackend):
         mask = k_pos[None, :] <= q_pos[:, None]  # (Tq, L)
         out = gqa_attention(query[None], key[None], value[None], mask[None], scale)
         return out[0]  # (Tq, nh, d)
+
+
+class InvariantCpuAttention(TorchPagedAttention):
+    """The CPU's default path: ``cpu_kernels.paged_attention``.
+
+    Each query token reads its own sequence's K/V blocks in place, from
+    position 0 to its own, in one fixed order (see ``csrc/cpu_kernels.cpp``):
+    no gather, no padding, and the same bits for a token whatever else is in
+    the step, however its prompt was chunked, and whether it is a decode or
+    a recomputed prefill token. K/V are written as in ``TorchPagedAttention``.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Cut the block tables to the step's widest context, as int64, once per step."""
+        if meta.prepared:
+            return meta
+        width = max((-(-s // meta.block_size) for s in meta.seq_lens_host), default=0)
+        tables = meta.block_tables[:, :width].to(torch.int64).contiguous()
+        return replace(meta, block_tables=tables, prepared=True)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return cpu_kernels.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, scale)

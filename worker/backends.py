@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from jitney.worker.attention import AttentionBackend, TorchPagedAttention
+from jitney.worker.attention import AttentionBackend, InvariantCpuAttention, TorchPagedAttention
 
 logger = logging.getLogger("jitney.worker")
 
@@ -47,9 +47,15 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend instance for the config's ``attention_backend`` on ``device``."""
+def make_attention_backend(name: str, device: torch.device, *, batch_invariant: bool = False) -> AttentionBackend:
+    """The backend instance for the config's ``attention_backend`` on ``device``.
+
+    The torch backend on the CPU is ``InvariantCpuAttention`` (the CPU kernel)
+    when ``batch_invariant``, else ``TorchPagedAttention`` (gather + SDPA).
+    """
     if resolve_backend_name(name, device) == "torch":
+        if batch_invariant and device.type == "cpu":
+            return InvariantCpuAttention()
         return TorchPagedAttention()
     from jitney.worker.triton_attention import TritonPagedAttention
 

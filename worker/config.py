@@ -52,6 +52,13 @@ class WorkerConfig:
         ``None`` means the model's own limit.
       attention_backend: ``auto`` (Triton kernels on CUDA, torch on CPU),
         ``torch`` or ``triton`` (on CPU only under ``TRITON_INTERPRET=1``).
+      batch_invariant: whether a token's results are kept independent of the
+        batch it is computed in. ``None`` = the device's default: on for the CPU
+        (the CPU path is batch-invariant by construction), off on CUDA until
+        its cost is measured on a GPU; ``True`` on CUDA swaps the model's
+        linear layers for the Triton batch-invariant matmul
+        (``worker/triton_matmul.py``); ``False`` on the CPU uses oneDNN's
+        faster but batch-size-dependent kernels.
     """
 
     model: str | None = None
@@ -67,6 +74,7 @@ class WorkerConfig:
     threads: int | None = None
     max_model_len: int | None = None
     attention_backend: AttentionBackendName = "auto"
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         # Guards programmatic construction; the CLI reports the same errors
@@ -170,3 +178,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        default="auto",
                        help="auto: Triton kernels on CUDA, torch on CPU; triton on CPU needs "
                             "TRITON_INTERPRET=1 (default: auto)")
+    group.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="a token's results never depend on its batch: the Triton matmul on CUDA (slower); "
+                            "--no-batch-invariant lets the CPU use oneDNN's faster kernels "
+                            "(default: on for the CPU, off on CUDA)")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from jitney.worker.config import WorkerConfig
+
+logger = logging.getLogger("jitney.worker")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -71,3 +74,23 @@ def step_defaults(config: WorkerConfig, device: torch.device) -> tuple[int, int]
     elif tokens < seqs:
         tokens = seqs  # every seat must be able to decode in one step
     return tokens, seqs
+
+
+def resolve_batch_invariant(config: WorkerConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this worker runs its batch-invariant kernels (``--batch-invariant``).
+
+    Unset: on for the CPU in bfloat16 and float32 (its kernels are
+    batch-invariant by construction, ``cpu_kernels.py``); off on CUDA, where
+    the Triton matmul's cost is not yet measured on a GPU, and for float16 on
+    the CPU (no invariant kernels: a warning says so). Asking for it where it
+    cannot hold raises ``ValueError``.
+    """
+    cpu_ok = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+    if config.batch_invariant is None:
+        if device.type == "cpu" and not cpu_ok:
+            logger.warning("%s on the CPU is not batch-invariant: a request's output may depend on "
+                           "what else is batched (use --dtype bfloat16 or float32)", dtype_name(dtype))
+        return cpu_ok
+    if config.batch_invariant and device.type == "cpu" and not cpu_ok:
+        raise ValueError(f"--batch-invariant on the CPU needs --dtype bfloat16 or float32, not {dtype_name(dtype)}")
+    return config.batch_invariant

@@ -77,6 +77,22 @@ class TorchLayerOps:
         return q
 
 
+class InvariantCpuLayerOps(TorchLayerOps):
+    """The CPU's batch-invariant path: SiLU * up through ``cpu_kernels.silu_mul``.
+
+    The other operations are row-wise torch ops whose bits do not depend on
+    the batch (``tests/test_cpu_kernels.py`` checks each one at 1 to 513
+    rows). torch's float32 SiLU rounds a vector's tail differently from its
+    body (seen on short tensors), so a row's bits could depend on where the
+    batch's threads split it; the kernel runs the same operations everywhere.
+    """
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from jitney.worker import cpu_kernels
+
+        return cpu_kernels.silu_mul(gate_up)
+
+
 class TritonLayerOps(TorchLayerOps):
     """One fused Triton kernel per operation (CUDA, or the interpreter in tests)."""
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
+from jitney.worker import cpu_kernels
 from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
 from jitney.worker.model import CausalLM, ModelConfig, RopeScaling
 
@@ -188,9 +189,16 @@ def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, tor
 
 
 def load_model(
-    model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None
+    model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+    *, batch_invariant: bool = False,
 ) -> tuple[CausalLM, ModelFacts]:
-    """Load ``model`` (path or ``None`` = bundled default) ready to run."""
+    """Load ``model`` (path or ``None`` = bundled default) ready to run.
+
+    On the CPU, ``batch_invariant`` runs every linear layer (the logits' head
+    included, in float32) through ``cpu_kernels.InvariantLinear``; without
+    it bf16 linears are packed for oneDNN's matmul, whose rounding depends on
+    the number of rows.
+    """
     started = time.perf_counter()
     files = resolve_model(model)
     hf = load_hf_config(files)
@@ -205,7 +213,12 @@ def load_model(
     with torch.device("meta"):
         net = CausalLM(cfg)
     net.load_weights(state, dtype, device)
-    if packing_supported(dtype, device):
+    if batch_invariant and cpu_kernels.supported(dtype, device):
+        head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
+        count = cpu_kernels.use_invariant_linears(net.model)
+        net.lm_head = cpu_kernels.InvariantLinear(head, None, out_float=True)
+        logger.info("%d linear layers and the head run the batch-invariant CPU kernel", count)
+    elif packing_supported(dtype, device):
         if net.lm_head is None:   # the tied head gets its own packed copy
             net.lm_head = PackedLinear(net.model.embed_tokens.weight, None)
         logger.info("packed %d linear layers for oneDNN (bf16 on the CPU)", pack_linears(net))

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jitney.worker.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from jitney.worker.attention import AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
 from jitney.worker.kv_cache import PagedKVCache
-from jitney.worker.layer_ops import TorchLayerOps, rms_norm_torch
+from jitney.worker.layer_ops import InvariantCpuLayerOps, TorchLayerOps, rms_norm_torch
 
 
 @dataclass(frozen=True)
@@ -214,12 +214,15 @@ class CausalLM(nn.Module):
         return x + residual
 
     def use_backend(self, backend: AttentionBackend, max_positions: int) -> None:
-        """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops."""
+        """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops;
+        with the CPU's invariant one, use its SiLU."""
         self.backend = backend
         if backend.graph_safe:
             from jitney.worker.layer_ops import TritonLayerOps
 
             self.ops = TritonLayerOps(self.ops.inv_freq, max_positions)
+        elif isinstance(backend, InvariantCpuAttention):
+            self.ops = InvariantCpuLayerOps(self.ops.inv_freq)
         else:
             self.ops = TorchLayerOps(self.ops.inv_freq)
 

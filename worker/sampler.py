@@ -209,8 +209,27 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tenso
     ``(x[t] - max) - log(sum(exp(x - max)))``: one temporary instead of
     ``log_softmax``'s full output (0.43 ms less for 64 x 49152 on 2 cores).
     """
-    total = (logits - row_max).exp_().sum(dim=-1)
+    total = row_sums((logits - row_max).exp_())
     return (logits.gather(-1, tokens[:, None]) - row_max).squeeze(-1) - total.log()
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum, (R, V) -> (R,), in an order fixed by the row alone on the CPU.
+
+    torch's CPU reduction splits a row between threads when there are fewer
+    rows than threads, so a row's rounding depended on the batch (a greedy
+    request's logprobs changed when it ran alone); numpy sums every row
+    pairwise on one thread.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.ascontiguousarray(x.numpy()).sum(axis=-1, dtype=np.float32))
+    return x.sum(dim=-1)
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over each row (R, V) -> (R,) through ``row_sums``; rows hold a finite value."""
+    top = x.amax(dim=-1, keepdim=True)   # a maximum is exact in any order
+    return top.squeeze(-1) + row_sums((x - top).exp_()).log()
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +247,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 def _sample_sorted(scaled: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """Top-k / top-p rows over the fully sorted vocabulary."""
     ordered, ids = scaled.sort(dim=-1, descending=True, stable=True)
-    keep, _ = nucleus(ordered, scaled.logsumexp(dim=-1), params.top_k, params.top_p)
+    keep, _ = nucleus(ordered, row_logsumexp(scaled), params.top_k, params.top_p)
     return _race(ordered, ids, keep, params)
 
 
@@ -241,7 +260,7 @@ def _sample_filtered(scaled: torch.Tensor, params: SamplingBatch, candidates: in
     """
     k = min(candidates, scaled.shape[-1])
     cand_logits, cand_ids = scaled.topk(k, dim=-1)  # (R, k), descending
-    keep, complete = nucleus(cand_logits, scaled.logsumexp(dim=-1), params.top_k, params.top_p)
+    keep, complete = nucleus(cand_logits, row_logsumexp(scaled), params.top_k, params.top_p)
     tokens = _race(cand_logits, cand_ids, keep, params)
     redo = (~complete).nonzero().squeeze(-1)
     if redo.numel() > 0:
@@ -272,7 +291,7 @@ def nucleus(
     # Top-p renormalises over the top-k survivors (all among the K when
     # k_inside), else over the whole vocabulary.
     masked = ordered.masked_fill(~in_k, float("-inf"))
-    log_norm = torch.where(k_inside, masked.logsumexp(dim=-1), log_norm)
+    log_norm = torch.where(k_inside, row_logsumexp(masked), log_norm)
     probs = (masked - log_norm[:, None]).exp()
     # Mass strictly before a token already reaches top_p: it is in the tail.
     # Rows with top_p >= 1 skip this, as rounding could cut their far tail.
@@ -281,5 +300,5 @@ def nucleus(
     # Without a top-k inside the K, the nucleus is known only if the K hold
     # top_p of the full distribution (a top-k beyond K renormalises over
     # tokens not seen here: never complete).
-    complete = k_inside | ((top_k == 0) & (top_p < 1.0) & (probs.sum(dim=-1) >= top_p))
+    complete = k_inside | ((top_k == 0) & (top_p < 1.0) & (row_sums(probs) >= top_p))
     return keep, complete

@@ -75,7 +75,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds")
+    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class Ready(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_name: str
     vocab_size: int
@@ -102,7 +103,8 @@ class Ready(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     warmup_seconds: float
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "worker_seconds", "model_seconds")

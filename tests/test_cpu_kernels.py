@@ -1,0 +1,233 @@
+"""The CPU's batch-invariant kernels, and every other op of the CPU path, one at a time.
+
+Each op is checked two ways: against a torch reference within rounding, and
+bit for bit against itself, a row computed alone vs. the same row inside
+batches of many sizes, at many positions, and with 1 or 2 threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jitney.worker import cpu_kernels
+from jitney.worker.attention import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
+from jitney.worker.layer_ops import TorchLayerOps, apply_rotary, rms_norm_torch
+from jitney.worker.model import rope_inv_freq
+from jitney.worker.sampler import logprobs_of, row_logsumexp, row_sums
+
+DTYPES = [torch.bfloat16, torch.float32]
+ROW_COUNTS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 130, 513]
+CPU = torch.device("cpu")
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """fn's row i over x[:m] equals fn over x[i:i+1] alone, for every m, and wherever the row sits."""
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(min(len(x), 70))])
+    for m in ROW_COUNTS:
+        if m > len(x):
+            continue
+        batch = fn(x[:m])
+        k = min(m, len(alone))
+        assert torch.equal(batch[:k], alone[:k]), f"rows differ from the same rows alone at {m} rows"
+    m = min(len(x), 50)
+    rolled = fn(torch.roll(x[:m], 7, dims=0))
+    assert torch.equal(torch.roll(rolled, -7, dims=0), fn(x[:m])), "a row's result depends on its position"
+
+
+# ---------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 144), (144, 64), (576, 960), (1536, 576), (98, 100)])
+def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    k, n = shape
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(600, k, generator=gen).to(dtype)
+    layer = cpu_kernels.InvariantLinear(weight, bias)
+    expected = F.linear(x[:40].float(), weight.float(), bias.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(layer(x[:40]).float(), expected, atol=tol, rtol=tol)
+    assert layer(x[:3]).dtype == dtype
+    assert_rows_invariant(layer, x)
+
+
+def test_linear_threads_split_columns_only() -> None:
+    weight = torch.randn(3000, 576).bfloat16()
+    x = torch.randn(70, 576).bfloat16()
+    layer = cpu_kernels.InvariantLinear(weight, None)
+    with threads(1):
+        one = layer(x)
+    with threads(2):
+        two = layer(x)
+    assert torch.equal(one, two)
+
+
+def test_linear_float_output_keeps_the_accumulator() -> None:
+    weight = torch.randn(320, 64).bfloat16()
+    x = torch.randn(9, 64).bfloat16()
+    head = cpu_kernels.InvariantLinear(weight, None, out_float=True)
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, F.linear(x.float(), weight.float()), atol=1e-3, rtol=1e-3)
+    assert_rows_invariant(head, x)
+
+
+def test_linear_rejects_mismatched_inputs() -> None:
+    layer = cpu_kernels.InvariantLinear(torch.randn(32, 16).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="dtype"):
+        layer(torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        layer(torch.randn(2, 18).bfloat16())
+
+
+def test_use_invariant_linears_swaps_every_linear() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+    x = torch.randn(5, 16)
+    expected = net(x)
+    assert cpu_kernels.use_invariant_linears(net) == 2
+    assert not any(isinstance(m, torch.nn.Linear) for m in net.modules())
+    torch.testing.assert_close(net(x), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def paged_problem(dtype: torch.dtype, heads: tuple[int, int, int], block: int, seq_lens: list[int],
+                  query_lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 AttentionMetadata, list[list[int]]]:
+    """Random caches with NaN in every slot no sequence owns, queries and their metadata."""
+    nh, kvh, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(s / block) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    k_cache = torch.full((num_blocks, block, kvh, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for s, need in zip(seq_lens, blocks_needed):
+        table, order = order[:need], order[need:]
+        tables.append(table)
+        for pos in range(s):
+            slot = (table[pos // block], pos % block)
+            k_cache[slot] = torch.randn(kvh, d, generator=gen).to(dtype)
+            v_cache[slot] = torch.randn(kvh, d, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), nh, d, generator=gen).to(dtype)
+    meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+                                   block_size=block, device=CPU)
+    return query, k_cache, v_cache, meta, tables
+
+
+def invariant_attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    backend = InvariantCpuAttention()
+    return backend.attend(query, k, v, backend.prepare(meta), query.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,block", [((9, 3, 64), 16), ((4, 2, 16), 4), ((4, 4, 8), 16)])
+def test_paged_attention_matches_torch(dtype: torch.dtype, heads: tuple[int, int, int], block: int) -> None:
+    seq_lens, query_lens = [37, 1, 100, 130, 64, 5], [1, 1, 1, 20, 64, 5]
+    query, k, v, meta, _ = paged_problem(dtype, heads, block, seq_lens, query_lens)
+    out = invariant_attend(query, k, v, meta)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+    clean_k, clean_v = torch.nan_to_num(k.float()), torch.nan_to_num(v.float())
+    torch_ref = TorchPagedAttention()
+    expected = torch_ref.attend(query.float(), clean_k, clean_v, torch_ref.prepare(meta), heads[2] ** -0.5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype) -> None:
+    """Prefill chunks, decodes, any step composition: a query at position p of
+    a sequence attends exactly as that sequence's decode at p would."""
+    block = 4
+    seq_lens, query_lens = [37, 1, 23, 50, 19], [1, 1, 9, 50, 3]
+    query, k, v, meta, tables = paged_problem(dtype, (4, 2, 16), block, seq_lens, query_lens, seed=3)
+    together = invariant_attend(query, k, v, meta)
+    starts = meta.query_start_loc_host
+    for i, s in enumerate(seq_lens):
+        for t in range(starts[i], starts[i + 1]):
+            pos = s - (starts[i + 1] - t)
+            alone = AttentionMetadata.build(query_lens=[1], seq_lens=[pos + 1], block_tables=[tables[i]],
+                                            block_size=block, device=CPU)
+            assert torch.equal(invariant_attend(query[t:t + 1], k, v, alone)[0], together[t]), (i, t)
+    with threads(1):
+        assert torch.equal(invariant_attend(query, k, v, meta), together)
+
+
+def test_paged_attention_rejects_bad_metadata() -> None:
+    query, k, v, meta, _ = paged_problem(torch.float32, (4, 2, 16), 4, [9], [3])
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_kernels.paged_attention(query.bfloat16(), k, v, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, 0.25)
+    with pytest.raises(RuntimeError, match="block table"):
+        cpu_kernels.paged_attention(query, k, v, meta.block_tables[:, :1], meta.seq_lens,
+                                    meta.query_start_loc, 0.25)
+
+
+# ---------------------------------------------------------------------------- elementwise and norms
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [144, 1536])
+def test_silu_mul_matches_torch_and_is_row_invariant(dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(600, 2 * width) * 3).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up).float(), expected, atol=tol, rtol=tol)
+    assert_rows_invariant(cpu_kernels.silu_mul, gate_up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_torch_ops_of_the_cpu_path_are_row_invariant(dtype: torch.dtype, hidden: int) -> None:
+    """RMSNorm (and its residual add), rotary inputs and rotation, the
+    embedding: the torch ops the CPU path keeps give a row the same bits
+    at every batch size."""
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(600, hidden, generator=gen).to(dtype)
+    residual = torch.randn(600, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    ops = TorchLayerOps(rope_inv_freq(64, 10000.0, None))
+    assert_rows_invariant(lambda a: rms_norm_torch(a, weight, 1e-5), x)
+    both = torch.cat((x, residual), dim=-1)
+    assert_rows_invariant(lambda a: torch.cat(ops.add_rms_norm(a[:, :hidden], a[:, hidden:], weight, 1e-5), -1), both)
+    positions = torch.randint(0, 8000, (600,), generator=gen)
+    assert_rows_invariant(lambda p: torch.cat(ops.rope_inputs(p, dtype), dim=-1), positions)
+    heads = torch.randn(600, 9, 64, generator=gen).to(dtype)
+    cos, sin = ops.rope_inputs(positions, dtype)
+    rows = torch.cat((heads.flatten(1), cos, sin), dim=-1)
+    assert_rows_invariant(lambda r: apply_rotary(r[:, :576].view(-1, 9, 64), r[:, 576:640], r[:, 640:]).flatten(1),
+                          rows)
+    table = torch.randn(320, hidden, generator=gen).to(dtype)
+    assert_rows_invariant(lambda ids: F.embedding(ids, table), torch.randint(0, 320, (600,), generator=gen))
+
+
+@pytest.mark.parametrize("vocab", [320, 49152])
+def test_logprob_reductions_are_row_invariant(vocab: int) -> None:
+    logits = torch.randn(70, vocab) * 4
+    assert_rows_invariant(row_sums, logits.exp())
+    assert_rows_invariant(row_logsumexp, logits)
+    tokens = logits.argmax(dim=-1)
+    lp = lambda rows: logprobs_of(rows, rows.argmax(dim=-1), rows.amax(dim=-1, keepdim=True))  # noqa: E731
+    assert_rows_invariant(lp, logits)
+    torch.testing.assert_close(lp(logits), logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))

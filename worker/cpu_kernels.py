@@ -1,0 +1,144 @@
+"""The CPU's batch-invariant kernels (``csrc/cpu_kernels.cpp``), built at first use.
+
+Three operations, registered as ``torch.ops.jitney_cpu``:
+
+- ``InvariantLinear``: ``y = x W^T + b`` with W packed once at load; every
+  output row is one oneDNN brgemm micro-kernel reduction over the whole of
+  K, so its bits do not depend on how many rows share the call. (oneDNN's
+  own matmul picks blockings, and splits K between threads, by the number
+  of rows: the same token gave different bf16 rows at 1 and at 33 rows.)
+- ``paged_attention``: every query token walks its own sequence's cache
+  blocks from position 0 with a float32 online softmax, reading K/V where
+  they lie (no gather, no padding). Decodes and prefill chunks run the same
+  arithmetic, so chunking, preemption and prefix-cache hits keep the bits.
+- ``silu_mul``: torch's float32 SiLU rounds a vector's tail differently
+  from its body, so a row's bits could depend on where it falls; this runs
+  the same operations on every element.
+
+The source is compiled once per machine with torch's C++ extension tooling
+(a C++ compiler and ninja are needed; the ``ninja`` package is a
+dependency) into ``$JITNEY_KERNEL_CACHE`` (default
+``~/.cache/jitney/kernels``), in a folder keyed by the source, torch's
+version and the CPU, and loaded from there afterwards (about 15 s the
+first time). A failed build raises ``KernelBuildError`` with the compiler's
+output; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("jitney.worker")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded = False
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernels could not be compiled or loaded."""
+
+
+def _cpu_tag() -> str:
+    """What the compiled code depends on besides its source: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+
+
+def cache_dir() -> Path:
+    """The build folder for this source, torch version, flag set and CPU."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()):
+        key.update(part)
+    root = Path(os.environ.get("JITNEY_KERNEL_CACHE", Path.home() / ".cache" / "jitney" / "kernels"))
+    return root / key.hexdigest()[:16]
+
+
+def load() -> None:
+    """Build (first time on this machine) and load the kernels; idempotent."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name="jitney_cpu", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                               extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                               is_python_module=False, verbose=False)
+        except (RuntimeError, OSError, ImportError) as err:
+            raise KernelBuildError(f"building the CPU kernels in {folder} failed: {err}") from err
+        _loaded = True
+        logger.info("CPU kernels loaded from %s", folder)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of ``query (T, nh, d)`` over the paged caches -> ``(T, nh, d)``.
+
+    Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
+    the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
+    """
+    load()
+    out: torch.Tensor = torch.ops.jitney_cpu.paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up (T, 2I)`` -> ``(T, I)``, the same operations for every element."""
+    load()
+    out: torch.Tensor = torch.ops.jitney_cpu.silu_mul(gate_up)
+    return out
+
+
+class InvariantLinear(nn.Module):
+    """``y = x W^T + b`` through ``jitney_cpu.linear``; x is (T, in_features).
+
+    ``out_float``: return float32 (the logits) instead of x's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False) -> None:
+        super().__init__()
+        load()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = torch.ops.jitney_cpu.pack_linear_weight(weight.detach().contiguous())
+        self.bias = bias
+        self.out_float = out_float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.jitney_cpu.linear(x, self.packed, self.bias, self.out_features, self.out_float)
+        return y
+
+
+def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether these kernels serve a model in ``dtype`` on ``device``."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
+def use_invariant_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by an ``InvariantLinear``; return how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, InvariantLinear(child.weight, child.bias))
+                replaced += 1
+    return replaced

@@ -1,0 +1,473 @@
+// Jitney's CPU kernels: a linear layer and paged attention whose every output
+// row is computed with one fixed reduction order, whatever else is batched.
+//
+// Built at first use by jitney/worker/cpu_kernels.py (torch's C++ extension
+// tooling) and registered as torch.ops.jitney_cpu.*.
+//
+// The rule both kernels follow: a row's arithmetic depends only on that row's
+// own inputs (its token's activations, its sequence's cache blocks, its
+// position), never on how many rows share the call, where the row sits in it,
+// how the rows are split among threads, or on padding.
+//
+//   linear            y = x W^T (+ b): the output is cut into column blocks of
+//                     NB and row blocks of at most MB; every (row block,
+//                     column block) is one oneDNN brgemm micro-kernel call over
+//                     the whole of K. The micro-kernel's order over K does not
+//                     depend on the row block's height (tested), threads split
+//                     column blocks only, never K.
+//   paged_attention   every query token walks its own sequence's cache blocks
+//                     from position 0 up to its own position, with an online
+//                     softmax in float32: per block, scores in order, one
+//                     rescale, values added in key order. A decode and a
+//                     prefill query at the same position do the same
+//                     arithmetic, so chunking, preemption (recompute) and
+//                     prefix-cache hits give the same bits.
+//
+// Compiled with -ffp-contract=off: every multiply-add is written out (fmaf
+// where it is wanted), so two inlined copies of the same code cannot round
+// differently.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Conversions written with bit operations so that loops over them vectorise;
+// the same rounding as c10 (to nearest even, NaN kept quiet).
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T> inline T from_float(float f);
+template <> inline float from_float<float>(float f) { return f; }
+template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+}
+
+
+constexpr int64_t kRowBlock = 32;  // MB: rows per micro-kernel call
+constexpr int64_t kColBlock = 64;  // NB: output columns per micro-kernel call
+
+bool use_vnni(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 && at::native::cpublas::could_pack(at::kBFloat16);
+}
+
+// ---------------------------------------------------------------------------
+// linear
+// ---------------------------------------------------------------------------
+
+// weight (N, K) -> (ceil(N / NB), K * NB): each column block is W^T's (K, NB)
+// slice, zero-padded past N, in the micro-kernel's VNNI layout for bf16 where
+// the CPU has it.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D (out_features, in_features)");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "weight must be bfloat16 or float32");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const bool vnni = use_vnni(weight.scalar_type());
+  TORCH_CHECK(!vnni || k % 2 == 0, "bfloat16 weights need an even in_features, got ", k);
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+  at::Tensor wt = at::zeros({k, blocks * kColBlock}, weight.options());
+  wt.narrow(1, 0, n).copy_(weight.t());
+  at::Tensor out = at::empty({blocks, k * kColBlock}, weight.options());
+  for (int64_t b = 0; b < blocks; ++b) {
+    at::Tensor src = wt.narrow(1, b * kColBlock, kColBlock).contiguous();  // (K, NB)
+    if (vnni) {
+      at::native::cpublas::pack(k, kColBlock, kColBlock, kColBlock, at::kBFloat16, at::kBFloat16,
+                                src.data_ptr(), out[b].data_ptr());
+    } else {
+      out[b].copy_(src.view({-1}));
+    }
+  }
+  return out;
+}
+
+template <typename scalar_t, typename out_t>
+void linear_impl(const scalar_t* x, const scalar_t* packed, const float* bias, out_t* y,
+                 int64_t m, int64_t n, int64_t k, bool vnni) {
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(kRowBlock * kColBlock);
+    for (int64_t b = b0; b < b1; ++b) {
+      const scalar_t* w = packed + b * k * kColBlock;
+      const int64_t col0 = b * kColBlock;
+      const int64_t cols = std::min(kColBlock, n - col0);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, m - r0);
+        at::native::cpublas::brgemm(rows, kColBlock, k, k, kColBlock, kColBlock, false,
+                                    x + r0 * k, w, acc.data(), vnni);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* a = acc.data() + i * kColBlock;
+          out_t* dst = y + (r0 + i) * n + col0;
+          for (int64_t j = 0; j < cols; ++j) {
+            dst[j] = from_float<out_t>(bias ? a[j] + bias[col0 + j] : a[j]);
+          }
+        }
+      }
+    }
+    if (vnni) at::native::cpublas::brgemm_release(vnni);
+  });
+}
+
+// x (M, K) -> (M, out_features); float32 output when out_float, else x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features, bool out_float) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D (rows, in_features)");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the packed weight differ in dtype");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == blocks && packed.size(1) == k * kColBlock,
+              "packed weight does not match in_features ", k, " and out_features ", n);
+  at::Tensor xc = x.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const bool vnni = use_vnni(x.scalar_type());
+  at::Tensor y = at::empty({m, n}, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+  if (m == 0) return y;
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* xp = xc.data_ptr<at::BFloat16>();
+    const auto* wp = packed.data_ptr<at::BFloat16>();
+    if (out_float) {
+      linear_impl(xp, wp, bp, y.data_ptr<float>(), m, n, k, vnni);
+    } else {
+      linear_impl(xp, wp, bp, y.data_ptr<at::BFloat16>(), m, n, k, vnni);
+    }
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
+    linear_impl(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k, false);
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------
+// paged attention
+// ---------------------------------------------------------------------------
+
+// exp(x) for x <= 0 (scores minus their running maximum), -inf -> 0.
+// Range reduction to 2^n * e^r, |r| <= ln2/2, and a degree-6 polynomial:
+// about 2 ulp, written so the compiler vectorises it, and the same bits on
+// every path.
+inline float exp_nonpositive(float x) {
+  const bool underflow = !(x > -87.0f);  // also -inf
+  const float xc = underflow ? -87.0f : x;
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  float r = fmaf(n, -0.693145751953125f, xc);
+  r = fmaf(n, -1.428606765330187045e-06f, r);
+  float p = 1.0f / 720.0f;
+  p = fmaf(p, r, 1.0f / 120.0f);
+  p = fmaf(p, r, 1.0f / 24.0f);
+  p = fmaf(p, r, 1.0f / 6.0f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return underflow ? 0.0f : p * scale;
+}
+
+
+struct AttentionShape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+constexpr int64_t kMaxBlock = 64;    // largest cache block size (runtime-sized path)
+constexpr int64_t kMaxHeadDim = 256;  // largest head_dim (runtime-sized path)
+
+// One cache block for R query rows that see the same n keys of it (the heads
+// of one token that share this kv head). Per row, in this order:
+//   score[j] = sum over i of q[i] * k[j][i], as four partial sums (i mod 4)
+//              added (0 + 1) + (2 + 3);
+//   m' = max(m, score[0..n)), w[j] = e^(score[j] - m') (0 past n),
+//   l = l e^(m - m') + tree sum of w over the block's lanes,
+//   acc = acc e^(m - m') + sum over j < n, in order, of w[j] v[j].
+// Rows never mix: grouping them only lets the CPU overlap their chains, so a
+// row's bits are the same alone or grouped. BS, D: compile-time block size
+// and head_dim, or 0 for runtime values (up to kMaxBlock, kMaxHeadDim).
+template <int64_t R, int64_t BS, int64_t D>
+inline void block_update(const float* __restrict__ q, const float* __restrict__ kt, const float* __restrict__ vf,
+                         float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t n,
+                         int64_t bs_runtime, int64_t d_runtime) {
+  constexpr int64_t kB = BS > 0 ? BS : kMaxBlock;
+  const int64_t bs = BS > 0 ? BS : bs_runtime;
+  const int64_t d = D > 0 ? D : d_runtime;
+  float part[R][4][kB];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < 4; ++k)
+      for (int64_t j = 0; j < bs; ++j) part[r][k][j] = 0.0f;
+  int64_t i = 0;
+  for (; i + 4 <= d; i += 4) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < 4; ++k) {
+      const float* krow = kt + (i + k) * bs;
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < R; ++r) {
+        const float qv = q[r * d + i + k];
+        for (int64_t j = 0; j < bs; ++j) part[r][k][j] = fmaf(qv, krow[j], part[r][k][j]);
+      }
+    }
+  }
+  for (; i < d; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float qv = q[r * d + i];
+      for (int64_t j = 0; j < bs; ++j) part[r][0][j] = fmaf(qv, kt[i * bs + j], part[r][0][j]);
+    }
+  }
+  float w[R][kB];
+  float correction[R];
+  for (int64_t r = 0; r < R; ++r) {
+    float sc[kB];
+    for (int64_t j = 0; j < bs; ++j) sc[j] = (part[r][0][j] + part[r][1][j]) + (part[r][2][j] + part[r][3][j]);
+    float peak[kB];  // the block's maximum (any order gives the same maximum)
+    for (int64_t j = 0; j < bs; ++j) peak[j] = j < n ? sc[j] : -std::numeric_limits<float>::infinity();
+    for (int64_t width = bs; width > 1;) {
+      const int64_t half = width / 2;
+      for (int64_t j = 0; j < half; ++j) peak[j] = std::max(peak[j], peak[j + half]);
+      if (width % 2) peak[0] = std::max(peak[0], peak[width - 1]);
+      width = half;
+    }
+    const float m_new = std::max(m[r], peak[0]);
+    correction[r] = exp_nonpositive(m[r] - m_new);
+    for (int64_t j = 0; j < bs; ++j) w[r][j] = j < n ? exp_nonpositive(sc[j] - m_new) : 0.0f;
+    float tree[kB];
+    for (int64_t j = 0; j < bs; ++j) tree[j] = w[r][j];
+    int64_t width = bs;
+    while (width > 1) {  // pairwise, the same tree for every row (odd widths fold the last lane in)
+      const int64_t half = width / 2;
+      for (int64_t j = 0; j < half; ++j) tree[j] = tree[j] + tree[j + half];
+      if (width % 2) tree[0] = tree[0] + tree[width - 1];
+      width = half;
+    }
+    l[r] = fmaf(l[r], correction[r], tree[0]);
+    m[r] = m_new;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* a = acc + r * d;
+    for (int64_t c = 0; c < d; ++c) a[c] *= correction[r];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = vf + j * d;
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      const float wj = w[r][j];
+      float* a = acc + r * d;
+      for (int64_t c = 0; c < d; ++c) a[c] = fmaf(wj, vj[c], a[c]);
+    }
+  }
+}
+
+template <int64_t BS, int64_t D>
+void block_update_rows(int64_t rows, const float* q, const float* kt, const float* vf, float* acc, float* m, float* l,
+                       int64_t n, int64_t bs, int64_t d) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t r = std::min<int64_t>(4, rows - r0);
+    const float* qr = q + r0 * d;
+    float* ar = acc + r0 * d;
+    switch (r) {
+      case 4: block_update<4, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      case 3: block_update<3, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      case 2: block_update<2, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      default: block_update<1, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+    }
+  }
+}
+
+// The queries [t0, t1) of one sequence for one kv head. Query t sits at
+// position pos0 + (t - t0) and attends keys [0, position]; its g heads of
+// this kv head are rows (t - t0) * g ... + g - 1.
+template <typename scalar_t, int64_t BS, int64_t D>
+void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                 scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t kv_head, const AttentionShape& s) {
+  const int64_t d = D > 0 ? D : s.head_dim, g = s.num_heads / s.num_kv_heads;
+  const int64_t bs = BS > 0 ? BS : s.block_size;
+  const int64_t nq = (t1 - t0) * g;
+  const int64_t last_pos = pos0 + (t1 - t0) - 1;
+  std::vector<float> qf(nq * d), acc(nq * d, 0.0f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.0f);
+  std::vector<float> kt(d * bs, 0.0f), vf(bs * d, 0.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t h = 0; h < g; ++h) {
+      const scalar_t* src = q + (t * s.num_heads + kv_head * g + h) * d;
+      float* dst = qf.data() + ((t - t0) * g + h) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * s.scale;
+    }
+  }
+  const int64_t row_stride = s.num_kv_heads * d;  // between tokens of a block
+  for (int64_t blk = 0; blk * bs <= last_pos; ++blk) {
+    const int64_t base = table[blk] * bs * row_stride + kv_head * d;
+    const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
+    for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
+      const scalar_t* kr = k_cache + base + j * row_stride;
+      const scalar_t* vr = v_cache + base + j * row_stride;
+      for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kr[i]);
+      for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vr[i]);
+    }
+    for (int64_t t = std::max(t0, t0 + blk * bs - pos0); t < t1; ++t) {  // tokens that see this block
+      const int64_t n = std::min(bs, pos0 + (t - t0) + 1 - blk * bs);
+      const int64_t row = (t - t0) * g;
+      block_update_rows<BS, D>(g, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
+                               m.data() + row, l.data() + row, n, bs, d);
+    }
+  }
+  for (int64_t row = 0; row < nq; ++row) {
+    const int64_t t = t0 + row / g, h = row % g;
+    const float inv = 1.0f / l[row];
+    scalar_t* dst = out + (t * s.num_heads + kv_head * g + h) * d;
+    const float* a = acc.data() + row * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = from_float<scalar_t>(a[c] * inv);
+  }
+}
+
+constexpr int64_t kQueryTile = 16;  // query tokens sharing one pass over the cache
+
+// A work item: one kv head of a tile of up to kQueryTile query tokens of one sequence.
+struct Item { int64_t seq, t0, t1, pos0, head; };
+
+template <typename scalar_t>
+void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
+                  scalar_t* out, const std::vector<Item>& items, const AttentionShape& s) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  // Dynamic scheduling balances long and short items; which thread runs an
+  // item does not change its arithmetic.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t w = 0; w < count; ++w) {
+    const Item& it = items[w];
+    const int64_t* table = tables + it.seq * s.table_width;
+    if (s.block_size == 16 && s.head_dim == 64) {
+      attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+    } else if (s.block_size == 16 && s.head_dim == 128) {
+      attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+    } else {
+      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+    }
+  }
+}
+
+// query (T, nh, d), caches (num_blocks, bs, kvh, d) -> (T, nh, d).
+// Sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1]), the
+// last of which sits at position seq_lens[i] - 1.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "query must be (T, heads, head_dim) and the caches (blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
+              "query and caches differ in dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "block tables, lengths and starts must be int64");
+  AttentionShape s{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), block_tables.size(1),
+                   static_cast<float>(scale)};
+  TORCH_CHECK(k_cache.size(3) == s.head_dim, "head_dim differs between query and caches");
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(s.block_size <= kMaxBlock && s.head_dim <= kMaxHeadDim, "block size above ", kMaxBlock,
+              " or head_dim above ", kMaxHeadDim, " is not supported by the CPU kernel");
+  at::Tensor q = query.contiguous();
+  at::Tensor tables = block_tables.contiguous();
+  at::Tensor lens = seq_lens.contiguous();
+  at::Tensor starts = query_start_loc.contiguous();
+  at::Tensor out = at::empty_like(q);
+  const int64_t num_seqs = lens.size(0);
+  TORCH_CHECK(starts.size(0) == num_seqs + 1 && tables.size(0) >= num_seqs, "metadata sizes disagree");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  std::vector<Item> items;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t t_begin = sp[i], t_end = sp[i + 1];
+    TORCH_CHECK(t_end - t_begin <= lp[i], "sequence ", i, " has more queries than context");
+    TORCH_CHECK((lp[i] + s.block_size - 1) / s.block_size <= s.table_width, "sequence ", i, " outgrows its block table");
+    const int64_t first_pos = lp[i] - (t_end - t_begin);
+    for (int64_t t = t_begin; t < t_end; t += kQueryTile) {
+      const int64_t t1 = std::min(t + kQueryTile, t_end);
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({i, t, t1, first_pos + (t - t_begin), h});
+    }
+  }
+  // Longest items first: the threads finish together.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.pos0 + (a.t1 - a.t0) > b.pos0 + (b.t1 - b.t0);
+  });
+  if (q.scalar_type() == at::kBFloat16) {
+    attend_items(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                 tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "attention runs in bfloat16 or float32");
+    attend_items(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// silu(gate) * up
+// ---------------------------------------------------------------------------
+
+// gate_up (T, 2I) -> (T, I): silu(gate) rounded to the dtype, times up, as
+// the reference models round. torch's own float32 silu rounds a vector's
+// tail differently from its body; here every element runs the same IEEE
+// operations, wherever it sits.
+template <typename scalar_t>
+void silu_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const scalar_t* gate = in + r * 2 * width;
+      const scalar_t* up = gate + width;
+      scalar_t* dst = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        // e = exp(-|g|) <= 1: silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below.
+        const float e = exp_nonpositive(g >= 0.0f ? -g : g);
+        const float silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
+        const float rounded = to_float(from_float<scalar_t>(silu));
+        dst[i] = from_float<scalar_t>(rounded * to_float(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2 * intermediate)");
+  at::Tensor x = gate_up.contiguous();
+  const int64_t rows = x.size(0), width = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, width);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul runs in bfloat16 or float32");
+    silu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+  }
+  return out;
+}
+
+bool vnni_packing() { return use_vnni(at::kBFloat16); }
+
+}  // namespace
+
+TORCH_LIBRARY(jitney_cpu, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, bool out_float) -> Tensor", &linear);
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale) -> Tensor", &paged_attention);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("vnni_packing() -> bool", &vnni_packing);
+}
