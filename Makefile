@@ -16,6 +16,8 @@ MYPY_TREE := .mypy-tree
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	# The CPU kernels (worker/csrc) are compiled at first use: a C++ compiler is needed.
+	command -v c++ >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq g++)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
