@@ -2,6 +2,7 @@
 """The worker's decode step on the CPU, by batch size: model time and the rest.
 
     .venv/bin/python bench/decode_step.py [--dtype float32 bfloat16] [--batch 1 8 16 32 64] [--context 100]
+        [--invariant on off]
 
 Drives the worker's ModelRunner directly with engine plans: each of B
 sequences is prefilled with ``--context`` tokens, then ``--reps`` decode
@@ -9,6 +10,8 @@ steps are timed. Per step: ``execute`` = wall time of ``runner.execute``
 (plan checks, diffs, input staging, forward, logits, sampling, results);
 ``model`` = forward + logits as the worker reports it (``model_seconds``);
 ``non-model`` = their difference, the worker's own overhead. Medians.
+``--invariant on off`` measures the batch-invariant kernels (the CPU
+default) and ``--no-batch-invariant``'s oneDNN path side by side.
 """
 
 from __future__ import annotations
@@ -55,15 +58,18 @@ def main() -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 16, 32, 64])
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--invariant", nargs="+", choices=["on", "off"], default=["on"],
+                        help="batch-invariant kernels (on, the CPU default) and/or --no-batch-invariant (off)")
     args = parser.parse_args()
-    print("| dtype | batch | model ms | execute ms | non-model ms |\n|---|---|---|---|---|")
+    print("| dtype | invariant | batch | model ms | execute ms | non-model ms |\n|---|---|---|---|---|---|")
     for dtype in args.dtype:
-        runner = ModelRunner(WorkerConfig(dtype=dtype, num_blocks=4096, max_num_batched_tokens=16384,
-                                          max_num_seqs=256))
-        for batch in args.batch:
-            model_s, total_s = measure(runner, batch, args.context, args.reps)
-            print(f"| {dtype} | {batch} | {model_s * 1000:.1f} | {total_s * 1000:.1f} | "
-                  f"{(total_s - model_s) * 1000:.2f} |", flush=True)
+        for invariant in args.invariant:
+            runner = ModelRunner(WorkerConfig(dtype=dtype, num_blocks=4096, max_num_batched_tokens=16384,
+                                              max_num_seqs=256, batch_invariant=invariant == "on"))
+            for batch in args.batch:
+                model_s, total_s = measure(runner, batch, args.context, args.reps)
+                print(f"| {dtype} | {invariant} | {batch} | {model_s * 1000:.1f} | {total_s * 1000:.1f} | "
+                      f"{(total_s - model_s) * 1000:.2f} |", flush=True)
     return 0
 
 
