@@ -59,11 +59,15 @@ from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
-    "Write a short poem about the sea.",
+    # Two prompts span several 16-token KV blocks: the alone runs cache them,
+    # so the batched rounds start from prefix-cache hits.
+    "Write a short poem about the sea. It should have four lines, mention the tide, the gulls and the "
+    "wind, and end with a line about coming home after a long voyage across the grey northern water.",
     "Explain photosynthesis in one sentence.",
     "My favourite breakfast is",
     "Three tips for learning a new language:",
-    "Once upon a time, in a small village by the mountains,",
+    "Once upon a time, in a small village by the mountains, there lived an old clockmaker who repaired "
+    "every clock in the valley, until one winter morning a stranger arrived carrying a clock that ran",
     "The difference between a list and a tuple in Python is",
     "Describe the color blue to someone who cannot see.",
     "A good name for a black cat would be",
