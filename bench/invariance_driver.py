@@ -38,8 +38,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.runner import ModelRunner
@@ -402,3 +405,14 @@ def first_difference(reference: Output, got: Output) -> str | None:
     return (f"{what} at output {first} (step {out.step}: {out.step_seqs} seqs, {out.step_tokens} tokens, "
             f"its chunk {out.chunk_tokens}): alone {ref.token} ({ref.logprob!r}), batched {out.token} "
             f"({out.logprob!r}){then}")
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count (process-wide) set to ``n`` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from hypothesis import strategies as st
 from bench.invariance import PROMPTS as TEXT_PROMPTS
 from bench.invariance import format_table, run_invariance
 from bench.invariance_driver import (
-    BatchDriver, Output, PreemptPolicy, Request, first_difference, preempt_by_position, run_alone,
+    BatchDriver, Output, PreemptPolicy, Request, first_difference, preempt_by_position, run_alone, torch_threads,
 )
 from bench.server_harness import running_server
 from bench.tiny_models import make_tiny_llama
@@ -81,17 +80,6 @@ def mixed_requests(n: int, max_tokens: int | None = None) -> list[Request]:
         else:
             out.append(Request(prompt, tokens))
     return out
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count (process-wide) set to ``n`` inside the block."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class References:

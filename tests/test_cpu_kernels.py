@@ -8,13 +8,13 @@ batches of many sizes, at many positions, and with 1 or 2 threads.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.invariance_driver import torch_threads
 from jitney.worker import cpu_kernels
 from jitney.worker.attention import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
 from jitney.worker.layer_ops import TorchLayerOps, apply_rotary, rms_norm_torch
@@ -24,16 +24,6 @@ from jitney.worker.sampler import logprobs_of, row_logsumexp, row_sums
 DTYPES = [torch.bfloat16, torch.float32]
 ROW_COUNTS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 130, 513]
 CPU = torch.device("cpu")
-
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def assert_rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
@@ -73,9 +63,9 @@ def test_linear_threads_split_columns_only() -> None:
     weight = torch.randn(3000, 576).bfloat16()
     x = torch.randn(70, 576).bfloat16()
     layer = cpu_kernels.InvariantLinear(weight, None)
-    with threads(1):
+    with torch_threads(1):
         one = layer(x)
-    with threads(2):
+    with torch_threads(2):
         two = layer(x)
     assert torch.equal(one, two)
 
@@ -169,7 +159,7 @@ def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype)
             alone = AttentionMetadata.build(query_lens=[1], seq_lens=[pos + 1], block_tables=[tables[i]],
                                             block_size=block, device=CPU)
             assert torch.equal(invariant_attend(query[t:t + 1], k, v, alone)[0], together[t]), (i, t)
-    with threads(1):
+    with torch_threads(1):
         assert torch.equal(invariant_attend(query, k, v, meta), together)
 
 

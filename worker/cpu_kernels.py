@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from jitney.worker.cpu_linear import replace_linears
+
 logger = logging.getLogger("jitney.worker")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
@@ -135,10 +137,4 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 def use_invariant_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` inside ``model`` by an ``InvariantLinear``; return how many."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, InvariantLinear(child.weight, child.bias))
-                replaced += 1
-    return replaced
+    return replace_linears(model, lambda linear: InvariantLinear(linear.weight, linear.bias))

@@ -10,6 +10,8 @@ and does not round the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -33,12 +35,17 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside ``model`` by a ``PackedLinear``; return how many."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by ``make(linear)``; return how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, make(child))
                 replaced += 1
     return replaced
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a ``PackedLinear``; return how many."""
+    return replace_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias))

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from jitney.worker.cpu_linear import replace_linears
 from jitney.worker.triton_fused import _round, _soft_bf16
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -192,10 +193,4 @@ class InvariantLinear(nn.Module):
 
 def use_invariant_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` inside ``model`` by an ``InvariantLinear``; return how many."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, InvariantLinear(child.weight, child.bias))
-                replaced += 1
-    return replaced
+    return replace_linears(model, lambda linear: InvariantLinear(linear.weight, linear.bias))
