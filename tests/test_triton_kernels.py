@@ -217,3 +217,29 @@ print("compiled")
 def test_kernels_compile_for_sm80_and_sm90_without_a_gpu() -> None:
     """What the interpreter cannot check: the kernels lower to PTX (Ampere, Hopper)."""
     compile_for_gpus(COMPILE)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_batch_invariant_decodes_launch_the_prefills_tile(monkeypatch: pytest.MonkeyPatch,
+                                                           batch_invariant: bool) -> None:
+    """With --batch-invariant a decode launch runs the same tile height (so the
+    same dot shapes) as a prefill launch; by default decodes take a smaller tile."""
+    import jitney.worker.triton_attention as module
+    from jitney.worker.attention import AttentionMetadata
+
+    launches: list[dict[str, object]] = []
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(module, "_paged_attention_kernel", Spy())
+    backend = module.TritonPagedAttention(batch_invariant=batch_invariant)
+    k_cache = torch.zeros(8, 4, 2, 16, device=DEVICE)
+    for query_lens in ([1, 1], [5, 3]):
+        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=[9, 7], block_tables=[[0, 1, 2], [3, 4]],
+                                       block_size=4, device=DEVICE)
+        backend.attend(torch.zeros(sum(query_lens), 8, 16, device=DEVICE), k_cache, k_cache, meta, 0.25)
+    decode, prefill = launches
+    assert (decode["BLOCK_Q"] == prefill["BLOCK_Q"]) == batch_invariant
+    assert decode["BLOCK_N"] == prefill["BLOCK_N"]

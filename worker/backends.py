@@ -51,7 +51,8 @@ def make_attention_backend(name: str, device: torch.device, *, batch_invariant: 
     """The backend instance for the config's ``attention_backend`` on ``device``.
 
     The torch backend on the CPU is ``InvariantCpuAttention`` (the CPU kernel)
-    when ``batch_invariant``, else ``TorchPagedAttention`` (gather + SDPA).
+    when ``batch_invariant``, else ``TorchPagedAttention`` (gather + SDPA);
+    Triton's gives decodes the prefill's tile height when ``batch_invariant``.
     """
     if resolve_backend_name(name, device) == "torch":
         if batch_invariant and device.type == "cpu":
@@ -59,7 +60,7 @@ def make_attention_backend(name: str, device: torch.device, *, batch_invariant: 
         return TorchPagedAttention()
     from jitney.worker.triton_attention import TritonPagedAttention
 
-    return TritonPagedAttention()
+    return TritonPagedAttention(batch_invariant=batch_invariant)
 
 
 def _triton_installed() -> bool:

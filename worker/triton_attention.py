@@ -146,6 +146,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     check: bool = True,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+    decode_rows: int = DECODE_ROWS,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch -> ``(T, nh, d)``.
 
@@ -157,6 +158,9 @@ def paged_attention(
     listed tile of ``prefill_block_q`` query tokens (``tile_seq`` -1: none),
     so the grid depends on no host value of the step: a mixed step can be
     captured in a CUDA graph. Indices are not range-checked (the runner validates plans).
+    ``decode_rows``: query rows of a decode-only launch's tile; ``PREFILL_ROWS``
+    gives decodes the prefill's tile height, so both run the same ``tl.dot``
+    shapes (``--batch-invariant``).
     Raises ``ValueError`` on a shape, dtype, device or layout it cannot take.
     """
     if check:  # the model checks its first layer's call of a step; the others have the same shapes
@@ -177,7 +181,7 @@ def paged_attention(
         grid: tuple[int, ...] = (tiles[0].shape[0], kvh)
         tile_seq, tile_idx = tiles
     else:
-        block_q = max(gp, DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS) // gp
+        block_q = max(gp, decode_rows if max_query_len == 1 else PREFILL_ROWS) // gp
         grid = (num_seqs, kvh, triton.cdiv(max_query_len, block_q))
         tile_seq = tile_idx = seq_lens  # not read
     _paged_attention_kernel[grid](
@@ -208,6 +212,13 @@ class TritonPagedAttention(AttentionBackend):
 
     graph_safe = True
 
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        # Keys are walked BLOCK_N at a time from position 0 and never split
+        # between programs, for every launch; batch invariance also gives a
+        # decode the prefill's tile height, so its dot products have the
+        # same shapes (the cost: idle rows in a memory-bound launch).
+        self.decode_rows = PREFILL_ROWS if batch_invariant else DECODE_ROWS
+
     def write_kv(
         self,
         key: torch.Tensor,
@@ -228,7 +239,7 @@ class TritonPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         return paged_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, max_query_len(meta), check=self.checking, tiles=meta.tiles,
+            scale, max_query_len(meta), check=self.checking, tiles=meta.tiles, decode_rows=self.decode_rows,
         )
 
 
