@@ -115,6 +115,7 @@ def test_health_reflection_and_model_info(server: Server) -> None:
     info = server.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.num_kv_blocks, info.block_size) == (NUM_BLOCKS, BLOCK_SIZE)
     assert info.vocab_size > 0 and info.context_length > 0 and list(info.eos_token_ids)
+    assert info.batch_invariant  # the CPU's default
 
 
 def test_tokenize_and_unary_generate(server: Server) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from bench.tiny_models import make_tiny_llama
@@ -15,7 +17,7 @@ from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.config import WorkerConfig
 from jitney.worker.main import run_worker
 from jitney.worker.plan import PlanError
-from jitney.worker.device import STEP_DEFAULTS
+from jitney.worker.device import STEP_DEFAULTS, resolve_batch_invariant
 from jitney.worker.runner import ModelRunner
 
 BLOCK = 4
@@ -187,6 +189,30 @@ def test_ready_reports_the_step_limits_and_warm_up(runner: ModelRunner, config: 
 def test_device_defaults_fill_unset_step_limits(model_dir: Path) -> None:
     runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS))
     assert (runner.limits.max_num_batched_tokens, runner.limits.max_num_seqs) == STEP_DEFAULTS["cpu"]
+
+
+def test_batch_invariance_defaults_and_refusals(caplog: pytest.LogCaptureFixture) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_batch_invariant(WorkerConfig(), cpu, torch.bfloat16)
+    assert resolve_batch_invariant(WorkerConfig(), cpu, torch.float32)
+    assert not resolve_batch_invariant(WorkerConfig(), cuda, torch.bfloat16)   # until measured on a GPU
+    assert resolve_batch_invariant(WorkerConfig(batch_invariant=True), cuda, torch.bfloat16)
+    assert not resolve_batch_invariant(WorkerConfig(batch_invariant=False), cpu, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="jitney.worker"):
+        assert not resolve_batch_invariant(WorkerConfig(), cpu, torch.float16)
+    assert "not batch-invariant" in caplog.text
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        resolve_batch_invariant(WorkerConfig(batch_invariant=True), cpu, torch.float16)
+
+
+def test_ready_says_whether_the_worker_is_batch_invariant(model_dir: Path) -> None:
+    for flag in (None, False):
+        runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="bfloat16", block_size=BLOCK,
+                                          num_blocks=NUM_BLOCKS, batch_invariant=flag))
+        assert runner.ready_message().batch_invariant == (flag is None)
+        kinds = {type(m).__name__ for m in runner.model.modules()}
+        assert ("InvariantLinear" in kinds) == (flag is None)
+        assert flag is not None or "Linear" not in kinds   # every linear layer, the head included
 
 
 def bad_plans() -> dict[str, pb.StepPlan]:
