@@ -13,8 +13,8 @@ kit of ../shared/gpu/prepare.sh, from the repository root:
 (jitney need not be installed there: with only the repository on
 PYTHONPATH, ``ensure_jitney_importable`` links the ``jitney.*`` layout.)
 
-For each ``--shape NAME[:SECTIONS]`` (sections: offline, decode, prefill, hf;
-all when none are named), in that order:
+For each ``--shape NAME[:SECTIONS]`` (sections: offline, decode, prefill, hf,
+invariance; all when none are named), in that order:
 
 * a random-weight Llama checkpoint of that shape is made on the device
   (bf16 on CUDA, fp32 on CPU) with the tokenizer files next to it;
@@ -38,7 +38,24 @@ all when none are named), in that order:
 * hf: transformers' continuous batching (``init_continuous_batching``) on
   the same card and the same requests: greedy, no EOS, each request its own
   ``max_new_tokens``; wall from the first ``add_request`` to the last result
-  (its warm-up, i.e. graph capture, is not timed, like Jitney's start-up).
+  (its warm-up, i.e. graph capture, is not timed, like Jitney's start-up);
+* invariance (``--invariance`` runs only this, on 1b and 135m; on CUDA what
+  decides whether ``--batch-invariant`` becomes the default: on when it costs
+  <= 10%): two ``ModelRunner``s, ``batch_invariant=False`` and ``True``
+  (the device's default seats and a 2048-token step). On each, with
+  ``bench/invariance_driver.py``: ``--invariance-prompts`` prompts (token
+  ids of lengths 1 .. ``--invariance-longest``), greedy and seeded (T 0.8,
+  top_p 0.9, seed 1000 + prompt), run alone as the reference, then
+  ``--invariance-requests`` requests over them, shuffled, arriving in
+  waves, continuously batched at each ``--invariance-budgets`` step budget
+  (chunked prefill, prefix-cache hits, two preemptions): per (shape,
+  setting, budget) the requests whose token ids / log-probs are not
+  bit-identical to their alone run. The cost, on the same two runners: the
+  decode step at batch 1 and 64 and one eager step of the largest
+  ``--prefill-tokens``, off and on alternating for ``--invariance-rounds``;
+  then, for the ``--invariance-offline-shapes`` (1b), offline-64 on
+  ``jitney serve --no-batch-invariant`` / ``--batch-invariant`` (the
+  offline case's measure), alternating, and the ratio of the median walls.
 
 Everything runs under ``--budget-s`` of wall clock: a case that would start
 with too little time left is skipped, and the report says so.
@@ -68,6 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,11 +99,12 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 if TYPE_CHECKING:
+    from bench.invariance_driver import Output, Request
     from jitney.client.bench import WorkItem
     from jitney.engine.v1 import engine_pb2
     from jitney.worker.runner import ModelRunner
 
-SECTIONS = ("offline", "decode", "prefill", "hf")
+SECTIONS = ("offline", "decode", "prefill", "hf", "invariance")
 SLOW_STEP_S = 0.05
 CPU_SERVER_FLAGS = ["--num-blocks", "1024"]
 _LLAMA_COMMON: dict[str, Any] = {"vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
@@ -331,6 +350,23 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = old
 
 
+@contextmanager
+def cpu_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads (process-wide) set to ``n`` in the block; ``None`` leaves them.
+    On the CPU the tiny model's steps are thread hand-offs: one thread runs them several times faster."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def trace_stats(path: Path) -> dict[str, Any]:
     """Step count, longest step and the first two steps' ``dur`` (seconds) of a step trace."""
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -419,13 +455,15 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def make_runner(model: Path, run: Run, max_seqs: int, num_blocks: int) -> ModelRunner:
+def make_runner(model: Path, run: Run, max_seqs: int | None, num_blocks: int, *,
+                batch_invariant: bool | None = None) -> ModelRunner:
+    """``max_seqs`` None: the device's default seats (256 on CUDA); ``batch_invariant`` None: its default."""
     from jitney.worker.config import Device, DType, WorkerConfig
     from jitney.worker.runner import ModelRunner
 
     config = WorkerConfig(model=str(model), device=cast(Device, run.args.device),
                           dtype=cast(DType, dtype_name(run.args)), num_blocks=num_blocks, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=step_tokens(run))
+                          max_num_batched_tokens=step_tokens(run), batch_invariant=batch_invariant)
     return ModelRunner(config)
 
 
@@ -620,6 +658,240 @@ def profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
     log(f"   profile: {out}")
 
 
+# ---------------------------------------------------------------- batch invariance
+
+INVARIANCE_TEMPERATURE, INVARIANCE_TOP_P, INVARIANCE_SEED = 0.8, 0.9, 1000
+INVARIANCE_PREEMPT = {6: [0], 13: [3]}   # before step s, preempt the running requests at these positions
+INVARIANCE_RULE = 1.10                   # default --batch-invariant on for CUDA when on/off <= this
+
+
+def _prompt_ids(start: int, n: int) -> tuple[int, ...]:
+    return tuple(5 + (7919 * (start + k) + 104729 * ((start + k) // 97)) % 40000 for k in range(n))
+
+
+def invariance_prompts(n: int, longest: int) -> list[tuple[int, ...]]:
+    """``n`` prompts (token ids) of lengths spread geometrically from 1 to ``longest``; the even
+    ones are prefixes of one token stream (prefix-cache hits across prompts), the odd ones their own."""
+    lengths = [max(1, round(longest ** (i / max(1, n - 1)))) for i in range(n)]
+    return [_prompt_ids(0 if i % 2 == 0 else 50_000 * i, length) for i, length in enumerate(lengths)]
+
+
+def invariance_jobs(prompts: list[tuple[int, ...]], max_tokens: int) -> list[Request]:
+    """Each prompt greedy and seeded (T 0.8, top_p 0.9, its own seed in every request)."""
+    from bench.invariance_driver import Request
+
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        jobs.append(Request(prompt, max_tokens))
+        jobs.append(Request(prompt, max_tokens, temperature=INVARIANCE_TEMPERATURE, top_p=INVARIANCE_TOP_P,
+                            seed=INVARIANCE_SEED + i))
+    return jobs
+
+
+def invariance_arrivals(requests: list[Request]) -> dict[int, list[tuple[int, Request]]]:
+    """Waves of 1, 2, 4, 8, ... requests, one every 2 steps: prefills land among running decodes."""
+    at: dict[int, list[tuple[int, Request]]] = {}
+    first, size, step = 0, 1, 0
+    while first < len(requests):
+        at[step] = [(rid, requests[rid]) for rid in range(first, min(len(requests), first + size))]
+        first, size, step = first + size, size * 2, step + 2
+    return at
+
+
+def invariance_blocks(run: Run, requests: int, prompts: list[tuple[int, ...]], block_size: int = 16) -> int:
+    """KV blocks for every request at once (no prefix sharing counted) and for the step measurements."""
+    per_request = max(blocks_for(len(p) + run.args.invariance_tokens, block_size) for p in prompts)
+    _, steps = runner_blocks(run, invariance_step_batches(run.args), block_size)
+    return max(requests * per_request + 16, steps)
+
+
+def invariance_step_batches(args: argparse.Namespace) -> list[int]:
+    """Decode batches of the cost measurement: 1 and the largest --batch (64), capped like decode's."""
+    return decode_batches(argparse.Namespace(batch=[1, max(args.batch)], limit=args.limit))
+
+
+def compare_outputs(ref: Output, got: Output) -> tuple[bool, bool, float]:
+    """(token ids differ, log-probs differ, largest |logprob difference| before the first other token)."""
+    agree = next((k for k, (a, b) in enumerate(zip(ref.tokens, got.tokens)) if a != b), len(ref.tokens))
+    delta = max((abs(a - b) for a, b in zip(ref.logprobs[:agree], got.logprobs[:agree])), default=0.0)
+    return ref.tokens != got.tokens, ref.logprobs != got.logprobs, delta
+
+
+def invariance_experiment(shape: str, runner: ModelRunner, flag: bool, run: Run) -> list[dict[str, Any]]:
+    """The jobs alone (the reference), then the requests batched at each budget; one row per budget."""
+    import random
+
+    from bench.invariance_driver import BatchDriver, first_difference, preempt_by_position, run_alone
+
+    args = run.args
+    prompts = invariance_prompts(args.invariance_prompts, args.invariance_longest)
+    jobs = invariance_jobs(prompts, args.invariance_tokens)
+    started = time.perf_counter()
+    alone = {job: run_alone(runner, job) for job in jobs}
+    alone_s = time.perf_counter() - started
+    requests = [jobs[k % len(jobs)] for k in range(args.invariance_requests)]
+    random.Random(0).shuffle(requests)
+    rows = []
+    for budget in args.invariance_budgets:
+        if budget > runner.limits.max_num_batched_tokens:
+            run.skip(f"{shape} invariance budget {budget}",
+                     f"over the runner's step budget {runner.limits.max_num_batched_tokens}")
+            continue
+        started = time.perf_counter()
+        driver = BatchDriver(runner, budget=budget)
+        outputs = driver.run(invariance_arrivals(requests), preempt=preempt_by_position(INVARIANCE_PREEMPT))
+        seconds = time.perf_counter() - started
+        row: dict[str, Any] = {
+            "batch_invariant": flag, "budget": budget, "requests": len(outputs), "tokens_differ": 0,
+            "logprobs_differ": 0, "max_logprob_delta": 0.0, "alone_s": alone_s, "seconds": seconds,
+            "steps": len(driver.steps), "largest_step_seqs": max(s.seqs for s in driver.steps),
+            "cached_prompt_tokens": sum(o.cached_tokens for o in outputs.values()),
+            "preemptions": sum(len(o.preempted_after) for o in outputs.values()), "examples": []}
+        for rid, got in sorted(outputs.items()):
+            ref = alone[got.request]
+            tokens, logprobs, delta = compare_outputs(ref, got)
+            row["tokens_differ"] += tokens
+            row["logprobs_differ"] += logprobs
+            row["max_logprob_delta"] = max(row["max_logprob_delta"], delta)
+            if logprobs and len(row["examples"]) < 3:
+                row["examples"].append(f"request {rid} ({got.request.describe()}): {first_difference(ref, got)}")
+        rows.append(row)
+        log(f"   invariance {'on' if flag else 'off'}, budget {budget}: {row['requests']} requests in "
+            f"{row['steps']} steps ({seconds:.1f} s), {row['tokens_differ']} differ in token ids, "
+            f"{row['logprobs_differ']} in log-probs")
+    return rows
+
+
+def invariance_steps(runner: ModelRunner, flag: bool, round_no: int, run: Run) -> list[dict[str, Any]]:
+    """Decode at batch 1 and 64, one prefill step of the largest --prefill-tokens (2048): rows tagged."""
+    per_seq, _ = runner_blocks(run, invariance_step_batches(run.args))
+    rows = [{"what": f"decode batch {b}", **measure_decode(runner, b, run, per_seq)}
+            for b in invariance_step_batches(run.args)]
+    graphs = runner.graphs
+    mixed = list(graphs.mixed_tokens) if graphs is not None else []
+    tokens = max(run.args.prefill_tokens)
+    if graphs is not None and mixed and tokens <= mixed[-1]:
+        graphs.mixed_tokens = []    # eager, as a step over the graphs' largest is
+    try:
+        rows.append({"what": f"prefill {tokens} tokens", **measure_prefill(runner, run, tokens)})
+    finally:
+        if graphs is not None:
+            graphs.mixed_tokens = mixed
+    for row in rows:
+        row.update(batch_invariant=flag, round=round_no)
+    return rows
+
+
+def section_invariance(shape: str, model: Path, run: Run) -> None:
+    """--batch-invariant off and on: the experiment on ModelRunners, their step costs, offline-64 servers."""
+    args = run.args
+    data = run.shape(shape).setdefault("invariance", {})
+    prompts = invariance_prompts(args.invariance_prompts, args.invariance_longest)
+    data["config"] = {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+                      "jobs": 2 * len(prompts), "requests": args.invariance_requests,
+                      "max_tokens": args.invariance_tokens, "budgets": args.invariance_budgets,
+                      "temperature": INVARIANCE_TEMPERATURE, "top_p": INVARIANCE_TOP_P,
+                      "seeds": f"{INVARIANCE_SEED} + prompt index", "preempt": INVARIANCE_PREEMPT,
+                      "rounds": args.invariance_rounds, "dtype": dtype_name(args)}
+    data.update(rows=[], runners=[], steps=[])
+    if is_cuda(args) and run.triton_cache is None:
+        run.triton_cache = tempfile.mkdtemp(prefix="jitney-triton-cache-")   # the servers below read it warm
+    with env_var("TRITON_CACHE_DIR", run.triton_cache), cpu_threads(1 if not is_cuda(args) else None):
+        try:
+            invariance_runners(shape, model, run, data)
+        finally:
+            free_device_memory(args)
+    for what in dict.fromkeys(row["what"] for row in data["steps"]):
+        medians = {flag: _step_median(data["steps"], what, flag) for flag in (False, True)}
+        log(f"   {what}: " + ", ".join(f"{_on_off(flag)} {_ms(m)} ms" for flag, m in medians.items()))
+    if shape in args.invariance_offline_shapes:
+        invariance_offline(shape, model, run, data)
+    else:
+        run.notes.append(f"{shape} invariance: no offline-64 pair (only for "
+                         f"{', '.join(args.invariance_offline_shapes) or 'no shape'}: --invariance-offline-shapes)")
+
+
+def invariance_runners(shape: str, model: Path, run: Run, data: dict[str, Any]) -> None:
+    """A runner per setting (both kept): the experiment on each, then their step timings, alternating."""
+    args = run.args
+    total = invariance_blocks(run, args.invariance_requests, invariance_prompts(args.invariance_prompts,
+                                                                                args.invariance_longest))
+    runners: dict[bool, ModelRunner] = {}
+    for flag in (False, True):
+        if not run.budget.allows(args.invariance_reserve_s):
+            run.skip(f"{shape} invariance {_on_off(flag)}", f"{run.budget.left():.0f} s left of the budget")
+            continue
+        try:
+            started = time.perf_counter()
+            runner = make_runner(model, run, None, total, batch_invariant=flag)
+            info = {"batch_invariant": flag, "resolved": runner.batch_invariant,
+                    "init_s": time.perf_counter() - started, "warmup_s": getattr(runner, "warmup_seconds", None)}
+            data["runners"].append(info)
+            log(f"== {shape} invariance: ModelRunner --{'' if flag else 'no-'}batch-invariant ready in "
+                f"{info['init_s']:.1f} s ({total} KV blocks)")
+            data["rows"] += invariance_experiment(shape, runner, flag, run)
+            runners[flag] = runner
+        except Exception as exc:  # noqa: BLE001 - recorded with its traceback; the other setting still runs
+            run.errors.append(f"{shape} invariance {_on_off(flag)}: {type(exc).__name__}: {str(exc)[-2000:]}")
+            log(f"!! {shape} invariance {_on_off(flag)} failed:\n{traceback.format_exc()}")
+    try:
+        for round_no in range(1, args.invariance_rounds + 1):   # off, on, off, on: drift falls on both
+            for flag in list(runners):
+                if not run.budget.allows(5.0):
+                    run.skip(f"{shape} invariance steps ({_on_off(flag)}, round {round_no})", "budget spent")
+                    continue
+                data["steps"] += invariance_steps(runners[flag], flag, round_no, run)
+    except Exception as exc:  # noqa: BLE001 - recorded; the offline pair still runs
+        run.errors.append(f"{shape} invariance steps: {type(exc).__name__}: {str(exc)[-2000:]}")
+        log(f"!! {shape} invariance steps failed:\n{traceback.format_exc()}")
+
+
+def invariance_offline(shape: str, model: Path, run: Run, data: dict[str, Any]) -> None:
+    """offline-64 on `jitney serve --no-batch-invariant` and `--batch-invariant`, alternating."""
+    items = load_items(run.args, "offline-64.jsonl")
+    workload = write_items(items, run.workdir / f"offline-64-{len(items)}.jsonl")
+    cases = data.setdefault("offline", [])
+    for round_no in range(1, run.args.invariance_rounds + 1):
+        for flag in (False, True):
+            name = f"invariant-{'on' if flag else 'off'}-{round_no}"
+            if not run.budget.allows(run.args.server_reserve_s):
+                run.skip(f"{shape} invariance offline {name}", f"{run.budget.left():.0f} s left of the budget")
+                continue
+            flags = ["--batch-invariant" if flag else "--no-batch-invariant"]
+            try:
+                case = run_server_case(name, model, flags, workload, run, run.triton_cache)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
+                run.errors.append(f"{shape} invariance offline {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
+                log(f"!! {shape} invariance offline {name} failed: {exc}")
+                continue
+            case.update(batch_invariant=flag, round=round_no)
+            cases.append(case)
+            if case["errors"] or case["exit_code"]:
+                run.errors.append(f"{shape} invariance offline {name}: {case['errors']} of {case['requests']} "
+                                  f"requests failed (`jitney bench` exit {case['exit_code']})")
+    ratio = offline_ratio(cases)
+    if ratio is not None:
+        data["offline_wall_ratio"] = ratio
+        log(f"   offline-64 wall, batch-invariant on / off (medians): {ratio:.3f}")
+
+
+def _step_median(steps: list[dict[str, Any]], what: str, flag: bool) -> float | None:
+    """The median over rounds of a step's per-round medians, or None."""
+    got = [r["execute_s_median"] for r in steps if r["what"] == what and r["batch_invariant"] == flag]
+    return statistics.median(got) if got else None
+
+
+def _offline_median(cases: list[dict[str, Any]], flag: bool) -> float | None:
+    walls = [c["wall_s"] for c in cases if c["batch_invariant"] == flag and not c["errors"]]
+    return statistics.median(walls) if walls else None
+
+
+def offline_ratio(cases: list[dict[str, Any]]) -> float | None:
+    """Median offline-64 wall with --batch-invariant / median without; None without both."""
+    on, off = _offline_median(cases, True), _offline_median(cases, False)
+    return on / off if on is not None and off else None
+
+
 # ---------------------------------------------------------------- transformers baseline
 
 def _kwargs_for(func: Any, **kwargs: Any) -> dict[str, Any]:
@@ -801,6 +1073,103 @@ def prefill_table(run: Run) -> list[str]:
     return lines
 
 
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.2f}"
+
+
+def _ratio(on: float | None, off: float | None) -> str:
+    return f"{on / off:.3f}" if on is not None and off else "n/a"
+
+
+def invariance_verdict(shape: str, data: dict[str, Any], run: Run) -> str:
+    """One line: the offline-64 cost against the rule, and whether "on" held on this device."""
+    ratio = data.get("offline_wall_ratio")
+    on_rows = [r for r in data.get("rows", []) if r["batch_invariant"]]
+    differ = sum(r["logprobs_differ"] for r in on_rows)
+    held = (f"with it on, {differ} of {sum(r['requests'] for r in on_rows)} batched requests differ from "
+            "their alone run" if on_rows else "its experiment did not run")
+    if ratio is None:
+        return f"{shape}: no offline-64 pair measured; {held}."
+    cost = f"offline-64 wall on / off = {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)"
+    if not is_cuda(run.args):
+        return f"{shape}: {cost}; {held} (a CPU run: not the CUDA default's measurement)."
+    within = ratio <= INVARIANCE_RULE
+    rule = (f"within the {(INVARIANCE_RULE - 1) * 100:.0f}% rule" if within
+            else f"over the {(INVARIANCE_RULE - 1) * 100:.0f}% rule")
+    then = ("the rule says: default it on for CUDA" if within and differ == 0
+            else "not invariant on this card yet: fix that before defaulting it on" if differ
+            else "the CUDA default stays off")
+    return f"{shape}: {cost}, {rule}; {held}: {then}."
+
+
+def invariance_report(run: Run) -> list[str]:
+    shapes = {shape: data["invariance"] for shape, data in run.shapes.items() if "invariance" in data}
+    if not shapes:
+        return []
+    a = run.args
+    lines = ["## Batch invariance (`--batch-invariant` off and on)", "",
+             f"Worker `ModelRunner`s ({dtype_name(a)}), one per setting, driven by `bench/invariance_driver.py`: "
+             f"{a.invariance_prompts} prompts (token ids, lengths spread from 1 to {a.invariance_longest}; the "
+             f"even ones share a prefix), each greedy and seeded (T {INVARIANCE_TEMPERATURE}, top_p "
+             f"{INVARIANCE_TOP_P}, seed {INVARIANCE_SEED} + prompt), {a.invariance_tokens} tokens, run alone: "
+             f"the reference. Then {a.invariance_requests} requests cycling over those (shuffled), arriving in "
+             "waves of 1, 2, 4, ... every 2 steps, continuous batching at each step budget (chunked prefill, "
+             "prefix-cache hits, two preemptions). \"differ\": requests whose token ids / log-probs are not "
+             "bit-identical to the alone run; max |dlogprob| over the tokens before the first other token id.", "",
+             "| shape | batch-invariant | budget | requests | token ids differ | logprobs differ | max \\|dlogprob\\| "
+             "| cached prompt tokens | preemptions | steps | largest step seqs | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, data in shapes.items():
+        for r in data.get("rows", []):
+            lines.append(f"| {shape} | {_on_off(r['batch_invariant'])} | {r['budget']} | {r['requests']} | "
+                         f"{r['tokens_differ']} | {r['logprobs_differ']} | {r['max_logprob_delta']:.3g} | "
+                         f"{r['cached_prompt_tokens']} | {r['preemptions']} | {r['steps']} | "
+                         f"{r['largest_step_seqs']} | {r['seconds']:.1f} |")
+        for flag in (False, True):
+            rows = [r for r in data.get("rows", []) if r["batch_invariant"] == flag]
+            if rows:
+                lines.append(f"| {shape} | {_on_off(flag)} | all | {sum(r['requests'] for r in rows)} | "
+                             f"{sum(r['tokens_differ'] for r in rows)} | {sum(r['logprobs_differ'] for r in rows)} "
+                             "| | | | | | |")
+    examples = [f"{shape}, {_on_off(r['batch_invariant'])}, budget {r['budget']}: {e}"
+                for shape, data in shapes.items() for r in data.get("rows", []) for e in r["examples"][:1]]
+    if examples:
+        lines += ["", "First differences (one per row):", "", *[f"- {e}" for e in examples]]
+    lines += ["", "### What it costs", "",
+              "Step rows: `execute()` median ms (the median over the rounds, off and on alternating, of each "
+              "round's median), on the same runners; offline-64: `jitney serve --no-batch-invariant` / "
+              "`--batch-invariant` replaying it, alternating, median wall s (each run in the table below).", "",
+              "| shape | measure | off | on | on / off |", "|---|---|---|---|---|"]
+    for shape, data in shapes.items():
+        steps = data.get("steps", [])
+        for what in dict.fromkeys(r["what"] for r in steps):
+            off, on = _step_median(steps, what, False), _step_median(steps, what, True)
+            lines.append(f"| {shape} | {what}, ms | {_ms(off)} | {_ms(on)} | {_ratio(on, off)} |")
+        cases = data.get("offline", [])
+        if cases:
+            off, on = _offline_median(cases, False), _offline_median(cases, True)
+            lines.append(f"| {shape} | offline-64 wall (median), s | "
+                         f"{'n/a' if off is None else f'{off:.3f}'} | {'n/a' if on is None else f'{on:.3f}'} | "
+                         f"{_ratio(on, off)} |")
+        init = {info["batch_invariant"]: info["init_s"] for info in data.get("runners", [])}
+        if init:
+            lines.append(f"| {shape} | runner start-up (load, warm-up, compiles), s | {_s(init.get(False))} | "
+                         f"{_s(init.get(True))} | {_ratio(init.get(True), init.get(False))} |")
+    lines += ["", "| shape | case | flags | wall s | output tok/s | TTFT p50 s | steps | start-up s | completed |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for shape, data in shapes.items():
+        for c in data.get("offline", []):
+            lines.append(f"| {shape} | {c['case']} | `{' '.join(c['flags'])}` | {c['wall_s']:.3f} | "
+                         f"{c['output_tok_s']:.0f} | {c['ttft_s']['p50']:.3f} | {c['steps']} | {c['startup_s']:.1f} | "
+                         f"{c['completed']}/{c['requests']} |")
+    lines += ["", *[f"- {invariance_verdict(shape, data, run)}" for shape, data in shapes.items()]]
+    return lines
+
+
 def render(run: Run) -> str:
     meta = run.meta
     head = [f"# Jitney GPU benchmark: {meta['card']}", "",
@@ -813,7 +1182,9 @@ def render(run: Run) -> str:
         tail += ["## Errors", "", *[f"- {e}" for e in run.errors], ""]
     if run.notes:
         tail += ["## Notes", "", *[f"- {n}" for n in run.notes], ""]
-    body = [*offline_table(run), "", *decode_table(run), "", *prefill_table(run), "", *startup_section(run)]
+    invariance = invariance_report(run)
+    body = [*offline_table(run), "", *decode_table(run), "", *prefill_table(run), "",
+            *([*invariance, ""] if invariance else []), *startup_section(run)]
     return "\n".join(head + body + tail) + "\n"
 
 
@@ -823,8 +1194,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--shape", action="append", type=parse_shape_spec, default=None, metavar="NAME[:SECTIONS]",
-                   help="shape (1b, 135m, tiny) and its sections (offline,decode,prefill,hf; default all); "
-                        "repeatable (default: 1b, then 135m:decode on CUDA; tiny on CPU)")
+                   help="shape (1b, 135m, tiny) and its sections (offline,decode,prefill,hf,invariance; default "
+                        "all); repeatable (default: 1b, then 135m:decode on CUDA; tiny on CPU)")
+    p.add_argument("--invariance", action="store_true",
+                   help="the invariance section (--batch-invariant off/on: differing requests and the cost); "
+                        "alone it runs 1b:invariance and 135m:invariance on CUDA (tiny:invariance on CPU); "
+                        "with --shape, it is added to each named shape's sections")
+    p.add_argument("--invariance-prompts", type=int, default=None, metavar="N",
+                   help="prompts run alone, greedy and seeded (default 10 on CUDA, 4 on CPU)")
+    p.add_argument("--invariance-longest", type=int, default=None, metavar="TOKENS",
+                   help="longest prompt; lengths spread from 1 (default 1000 on CUDA, 40 on CPU)")
+    p.add_argument("--invariance-requests", type=int, default=None, metavar="N",
+                   help="batched requests over the prompts (default 180 on CUDA, 24 on CPU)")
+    p.add_argument("--invariance-tokens", type=int, default=None, metavar="N",
+                   help="output tokens per request (default 32 on CUDA, 6 on CPU)")
+    p.add_argument("--invariance-budgets", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="step budgets of the batched runs (default 2048 256 on CUDA, 2048 16 on CPU)")
+    p.add_argument("--invariance-rounds", type=int, default=None, metavar="N",
+                   help="off/on rounds of the step timings and of the offline-64 servers (default 2 on CUDA, 1 on CPU)")
+    p.add_argument("--invariance-offline-shapes", nargs="*", default=["1b", "tiny"], metavar="SHAPE",
+                   help="shapes whose invariance section also replays offline-64 off/on (default 1b tiny)")
+    p.add_argument("--invariance-reserve-s", type=float, default=None,
+                   help="skip an invariance runner with less than this left (default 30 on CUDA, 5 on CPU)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer folder to copy into each checkpoint (default: a byte-level BPE of 49152 "
                         "tokens made here, like bench/tiny_models.py's; on the GPU machine .device-kit/tok)")
@@ -857,11 +1248,22 @@ def build_parser() -> argparse.ArgumentParser:
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     cuda = is_cuda(args)
     defaults = {"context": (128, 32), "prefill_tokens": ([512, 2048], [64]), "reps": (20, 5), "server_reserve_s": (25.0, 5.0),
-                "steps_reserve_s": (25.0, 5.0), "hf_reserve_s": (40.0, 5.0)}
+                "steps_reserve_s": (25.0, 5.0), "hf_reserve_s": (40.0, 5.0), "invariance_prompts": (10, 4),
+                "invariance_longest": (1000, 40), "invariance_requests": (180, 24), "invariance_tokens": (32, 6),
+                "invariance_budgets": ([2048, 256], [2048, 16]), "invariance_rounds": (2, 1),
+                "invariance_reserve_s": (30.0, 5.0)}
     for name, (gpu, cpu) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     args.reps = max(1, args.reps)
+    for name in ("invariance_prompts", "invariance_longest", "invariance_requests", "invariance_tokens",
+                 "invariance_rounds"):
+        setattr(args, name, max(1, getattr(args, name)))
+    if args.invariance and args.shape is None:
+        args.shape = [("1b", ["invariance"]), ("135m", ["invariance"])] if cuda else [("tiny", ["invariance"])]
+    elif args.invariance:
+        args.shape = [(name, [s for s in SECTIONS if s in sections or s == "invariance"])
+                      for name, sections in args.shape]
     if args.shape is None:
         args.shape = [("1b", list(SECTIONS)), ("135m", ["decode"])] if cuda else [("tiny", list(SECTIONS))]
     return args
@@ -883,6 +1285,12 @@ def run_shape(shape: str, sections: list[str], run: Run, tokenizer: Path, models
             log(f"!! {shape} {'/'.join(steps)} failed: {type(exc).__name__}: {exc}")
     if "hf" in sections:
         section_hf(shape, model, run)
+    if "invariance" in sections:
+        try:
+            section_invariance(shape, model, run)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other shapes still run
+            run.errors.append(f"{shape} invariance: {type(exc).__name__}: {exc}")
+            log(f"!! {shape} invariance failed: {type(exc).__name__}: {exc}")
     shutil.rmtree(model, ignore_errors=True)
 
 

@@ -3,7 +3,10 @@
 The GPU benchmark itself runs on a GPU machine (../shared/gpu/README.md);
 this keeps every section of it (servers + `jitney bench` + step traces, the
 worker's decode and prefill steps, transformers' continuous batching, the
-report) running in `make test`, so it cannot rot.
+invariance section, the report) running in `make test`, so it cannot rot.
+The invariance section runs alone (``--invariance``, as on the GPU), with
+its CPU sizes: 4 prompts, 24 requests of 6 tokens, budgets 2048 and 16, one
+off/on round.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def write_workload(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     tmp = tmp_path_factory.mktemp("gpu_bench")
-    cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT), "--shape", "tiny",
+    cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT),
+           "--shape", "tiny:offline,decode,prefill,hf",   # the invariance section: its own run below
            "--workload-dir", str(write_workload(tmp / "workloads")),
            "--out", str(tmp / "x.md"), "--json", str(tmp / "x.json"), "--workdir", str(tmp / "work"),
            "--budget-s", "100"]
@@ -82,3 +86,72 @@ def test_cpu_report_has_the_tables(bench_run: tuple[subprocess.CompletedProcess[
     assert "| tiny | 1 |" in report and "| tiny | 64 |" in report
     assert "torch " in report and "transformers " in report
 
+
+
+# ---- the invariance section (--batch-invariant off and on) ----
+
+@pytest.fixture(scope="module")
+def invariance_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    tmp = tmp_path_factory.mktemp("gpu_bench_invariance")
+    cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT), "--invariance",
+           "--workload-dir", str(write_workload(tmp / "workloads")),
+           "--out", str(tmp / "x.md"), "--json", str(tmp / "x.json"), "--workdir", str(tmp / "work"),
+           "--budget-s", "100"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    return done, tmp
+
+
+def test_cpu_invariance_section(invariance_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    done, tmp = invariance_run
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    data = json.loads((tmp / "x.json").read_text())
+    assert not data["errors"], data["errors"]
+    assert not data["skipped"], data["skipped"]
+    assert list(data["shapes"]) == ["tiny"] and list(data["shapes"]["tiny"]) == ["invariance"]
+    inv = data["shapes"]["tiny"]["invariance"]
+    assert inv["config"]["prompt_tokens"] == [1, 3, 12, 40] and inv["config"]["requests"] == 24
+
+    assert [(r["batch_invariant"], r["budget"]) for r in inv["rows"]] == [
+        (False, 2048), (False, 16), (True, 2048), (True, 16)]
+    for row in inv["rows"]:
+        assert row["requests"] == 24 and row["preemptions"] == 2 and row["cached_prompt_tokens"] > 0, row
+        assert row["largest_step_seqs"] > 1 and row["steps"] > 0
+        assert row["tokens_differ"] <= row["logprobs_differ"] <= row["requests"]
+        if row["batch_invariant"]:   # the CPU path: bit-identical to the alone runs
+            assert (row["tokens_differ"], row["logprobs_differ"], row["examples"]) == (0, 0, []), row
+    assert [(r["batch_invariant"], r["resolved"]) for r in inv["runners"]] == [(False, False), (True, True)]
+
+    # the cost: decode at batch 1 and 2 (64, capped by --limit) and the 64-token prefill, off and on
+    assert [(r["what"], r["batch_invariant"]) for r in inv["steps"]] == [
+        (w, f) for f in (False, True) for w in ("decode batch 1", "decode batch 2", "prefill 64 tokens")]
+    assert all(0 < r["execute_s_min"] <= r["execute_s_median"] for r in inv["steps"])
+    assert [(c["case"], c["flags"]) for c in inv["offline"]] == [
+        ("invariant-off-1", ["--no-batch-invariant"]), ("invariant-on-1", ["--batch-invariant"])]
+    for case in inv["offline"]:
+        assert case["wall_s"] > 0 and case["completed"] == case["requests"] == LIMIT, case
+    assert any("batch-invariant on" in line for line in inv["offline"][1]["startup_lines"])
+    assert any("batch-invariant off" in line for line in inv["offline"][0]["startup_lines"])
+    walls = [c["wall_s"] for c in inv["offline"]]
+    assert inv["offline_wall_ratio"] == pytest.approx(walls[1] / walls[0])
+
+    report = (tmp / "x.md").read_text()
+    assert "## Batch invariance" in report and "### What it costs" in report
+    assert "| tiny | on | all | 48 | 0 | 0 |" in report
+    assert "| tiny | decode batch 1, ms |" in report and "| tiny | offline-64 wall (median), s |" in report
+    assert "| tiny | invariant-on-1 | `--batch-invariant` |" in report
+    assert "0 of 48 batched requests differ" in report and "a CPU run" in report
+
+
+def test_invariance_flag_picks_the_shapes() -> None:
+    """--invariance alone: 1b and 135m on CUDA, tiny on CPU; with --shape it adds the section."""
+    from bench.gpu import SECTIONS, build_parser, fill_defaults
+
+    def shapes(*argv: str) -> list[tuple[str, list[str]]]:
+        return list(fill_defaults(build_parser().parse_args(list(argv))).shape)
+
+    assert shapes("--invariance") == [("1b", ["invariance"]), ("135m", ["invariance"])]
+    assert shapes("--invariance", "--device", "cpu") == [("tiny", ["invariance"])]
+    assert shapes("--invariance", "--shape", "1b:decode") == [("1b", ["decode", "invariance"])]
+    assert shapes("--shape", "1b") == [("1b", list(SECTIONS))] and "invariance" in SECTIONS
+    args = fill_defaults(build_parser().parse_args(["--invariance"]))
+    assert (args.invariance_requests, args.invariance_budgets, args.invariance_rounds) == (180, [2048, 256], 2)

@@ -195,6 +195,27 @@ struct AttentionShape {
 constexpr int64_t kMaxBlock = 64;    // largest cache block size (runtime-sized path)
 constexpr int64_t kMaxHeadDim = 256;  // largest head_dim (runtime-sized path)
 
+// Folds v[0, width) into v[0] pairwise: v[j] = op(v[j], v[j + half]), halving
+// the width (an odd width folds its last lane into v[0] first). BS > 0 (a
+// power of two) unrolls it at compile time; the tree is the same either way.
+template <int64_t BS, typename Op>
+inline void tree_reduce(float* v, int64_t width, Op op) {
+  if constexpr (BS > 0) {
+    static_assert((BS & (BS - 1)) == 0, "compiled block sizes are powers of two");
+#pragma GCC unroll 8
+    for (int64_t half = BS / 2; half > 0; half /= 2) {
+      for (int64_t j = 0; j < half; ++j) v[j] = op(v[j], v[j + half]);
+    }
+  } else {
+    while (width > 1) {
+      const int64_t half = width / 2;
+      if (width % 2) v[0] = op(v[0], v[width - 1]);
+      for (int64_t j = 0; j < half; ++j) v[j] = op(v[j], v[j + half]);
+      width = half;
+    }
+  }
+}
+
 // One cache block for R query rows that see the same n keys of it (the heads
 // of one token that share this kv head). Per row, in this order:
 //   score[j] = sum over i of q[i] * k[j][i], as four partial sums (i mod 4)
@@ -241,24 +262,13 @@ inline void block_update(const float* __restrict__ q, const float* __restrict__ 
     for (int64_t j = 0; j < bs; ++j) sc[j] = (part[r][0][j] + part[r][1][j]) + (part[r][2][j] + part[r][3][j]);
     float peak[kB];  // the block's maximum (any order gives the same maximum)
     for (int64_t j = 0; j < bs; ++j) peak[j] = j < n ? sc[j] : -std::numeric_limits<float>::infinity();
-    for (int64_t width = bs; width > 1;) {
-      const int64_t half = width / 2;
-      for (int64_t j = 0; j < half; ++j) peak[j] = std::max(peak[j], peak[j + half]);
-      if (width % 2) peak[0] = std::max(peak[0], peak[width - 1]);
-      width = half;
-    }
+    tree_reduce<BS>(peak, bs, [](float a, float b) { return std::max(a, b); });
     const float m_new = std::max(m[r], peak[0]);
     correction[r] = exp_nonpositive(m[r] - m_new);
     for (int64_t j = 0; j < bs; ++j) w[r][j] = j < n ? exp_nonpositive(sc[j] - m_new) : 0.0f;
     float tree[kB];
     for (int64_t j = 0; j < bs; ++j) tree[j] = w[r][j];
-    int64_t width = bs;
-    while (width > 1) {  // pairwise, the same tree for every row (odd widths fold the last lane in)
-      const int64_t half = width / 2;
-      for (int64_t j = 0; j < half; ++j) tree[j] = tree[j] + tree[j + half];
-      if (width % 2) tree[0] = tree[0] + tree[width - 1];
-      width = half;
-    }
+    tree_reduce<BS>(tree, bs, [](float a, float b) { return a + b; });  // the same tree for every row
     l[r] = fmaf(l[r], correction[r], tree[0]);
     m[r] = m_new;
   }
