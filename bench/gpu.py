@@ -357,14 +357,10 @@ def cpu_threads(n: int | None) -> Iterator[None]:
     if n is None:
         yield
         return
-    import torch
+    from bench.invariance_driver import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
+    with torch_threads(n):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def trace_stats(path: Path) -> dict[str, Any]:
