@@ -33,16 +33,20 @@ def write_workload(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    tmp = tmp_path_factory.mktemp("gpu_bench")
-    cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT),
-           "--shape", "tiny:offline,decode,prefill,hf",   # the invariance section: its own run below
+def run_bench(tmp: Path, *sections: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """bench/gpu.py on the CPU with ``sections``' flags; its report and JSON go to ``tmp``."""
+    cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT), *sections,
            "--workload-dir", str(write_workload(tmp / "workloads")),
            "--out", str(tmp / "x.md"), "--json", str(tmp / "x.json"), "--workdir", str(tmp / "work"),
            "--budget-s", "100"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
     return done, tmp
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    # the invariance section: its own run below
+    return run_bench(tmp_path_factory.mktemp("gpu_bench"), "--shape", "tiny:offline,decode,prefill,hf")
 
 
 def test_cpu_plumbing_runs(bench_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
@@ -92,13 +96,7 @@ def test_cpu_report_has_the_tables(bench_run: tuple[subprocess.CompletedProcess[
 
 @pytest.fixture(scope="module")
 def invariance_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    tmp = tmp_path_factory.mktemp("gpu_bench_invariance")
-    cmd = [sys.executable, "bench/gpu.py", "--device", "cpu", "--limit", str(LIMIT), "--invariance",
-           "--workload-dir", str(write_workload(tmp / "workloads")),
-           "--out", str(tmp / "x.md"), "--json", str(tmp / "x.json"), "--workdir", str(tmp / "work"),
-           "--budget-s", "100"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
-    return done, tmp
+    return run_bench(tmp_path_factory.mktemp("gpu_bench_invariance"), "--invariance")
 
 
 def test_cpu_invariance_section(invariance_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:

@@ -73,6 +73,8 @@ def cache_dir() -> Path:
 def load() -> None:
     """Build (first time on this machine) and load the kernels; idempotent."""
     global _loaded
+    if _loaded:   # every call of a kernel passes here: no lock once loaded
+        return
     with _lock:
         if _loaded:
             return

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from jitney.worker import cpu_kernels
 from jitney.worker.config import WorkerConfig
 
 logger = logging.getLogger("jitney.worker")
@@ -85,7 +86,7 @@ def resolve_batch_invariant(config: WorkerConfig, device: torch.device, dtype: t
     the CPU (no invariant kernels: a warning says so). Asking for it where it
     cannot hold raises ``ValueError``.
     """
-    cpu_ok = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+    cpu_ok = cpu_kernels.supported(dtype, device)
     if config.batch_invariant is None:
         if device.type == "cpu" and not cpu_ok:
             logger.warning("%s on the CPU is not batch-invariant: a request's output may depend on "

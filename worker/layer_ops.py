@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jitney.worker import cpu_kernels
 from jitney.worker.attention import AttentionBackend, AttentionMetadata
 
 
@@ -88,8 +89,6 @@ class InvariantCpuLayerOps(TorchLayerOps):
     """
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        from jitney.worker import cpu_kernels
-
         return cpu_kernels.silu_mul(gate_up)
 
 

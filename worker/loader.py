@@ -18,6 +18,7 @@ import torch
 
 from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
 from jitney.worker import cpu_kernels
+from jitney.worker.backends import BackendUnavailableError
 from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
 from jitney.worker.model import CausalLM, ModelConfig, RopeScaling
 
@@ -188,16 +189,44 @@ def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, tor
     return parsed["tensors"]
 
 
+def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> None:
+    """The linear layers and the logits' head (its own weight, or the tied
+    embedding's) through the device's kernel:
+
+    - ``batch_invariant`` on CUDA: the Triton matmul (``triton_matmul.py``);
+    - ``batch_invariant`` on the CPU: ``cpu_kernels.InvariantLinear``, the head
+      with float32 output;
+    - else bf16 on the CPU: weights packed for oneDNN, whose rounding depends
+      on the number of rows; else torch's ``nn.Linear``.
+    """
+    head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
+    if batch_invariant and device.type == "cuda":
+        try:
+            from jitney.worker import triton_matmul
+        except ImportError as err:
+            raise BackendUnavailableError("--batch-invariant on CUDA needs the triton package "
+                                          "(pip install triton)") from err
+        count = triton_matmul.use_invariant_linears(net.model)
+        net.lm_head = triton_matmul.InvariantLinear(head, None)
+        logger.info("batch-invariant: %d linear layers and the head run the Triton matmul", count)
+    elif batch_invariant and cpu_kernels.supported(dtype, device):
+        count = cpu_kernels.use_invariant_linears(net.model)
+        net.lm_head = cpu_kernels.InvariantLinear(head, None, out_float=True)
+        logger.info("batch-invariant: %d linear layers and the head run the CPU kernel", count)
+    elif packing_supported(dtype, device):
+        count = pack_linears(net.model)
+        net.lm_head = PackedLinear(head, None)
+        logger.info("packed %d linear layers and the head for oneDNN (bf16 on the CPU)", count)
+
+
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
     *, batch_invariant: bool = False,
 ) -> tuple[CausalLM, ModelFacts]:
     """Load ``model`` (path or ``None`` = bundled default) ready to run.
 
-    On the CPU, ``batch_invariant`` runs every linear layer (the logits' head
-    included, in float32) through ``cpu_kernels.InvariantLinear``; without
-    it bf16 linears are packed for oneDNN's matmul, whose rounding depends on
-    the number of rows.
+    ``batch_invariant`` swaps the linear layers for batch-invariant ones
+    (``_swap_linears``).
     """
     started = time.perf_counter()
     files = resolve_model(model)
@@ -213,15 +242,7 @@ def load_model(
     with torch.device("meta"):
         net = CausalLM(cfg)
     net.load_weights(state, dtype, device)
-    if batch_invariant and cpu_kernels.supported(dtype, device):
-        head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
-        count = cpu_kernels.use_invariant_linears(net.model)
-        net.lm_head = cpu_kernels.InvariantLinear(head, None, out_float=True)
-        logger.info("%d linear layers and the head run the batch-invariant CPU kernel", count)
-    elif packing_supported(dtype, device):
-        if net.lm_head is None:   # the tied head gets its own packed copy
-            net.lm_head = PackedLinear(net.model.embed_tokens.weight, None)
-        logger.info("packed %d linear layers for oneDNN (bf16 on the CPU)", pack_linears(net))
+    _swap_linears(net, dtype, device, batch_invariant)
     if state:
         logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(state)[:8]))
     logger.info(

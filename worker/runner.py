@@ -18,14 +18,13 @@ import torch
 
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.attention import AttentionMetadata
-from jitney.worker.backends import BackendUnavailableError, make_attention_backend, prefill_block_q
+from jitney.worker.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
 from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
 from jitney.worker.device import dtype_name, resolve_batch_invariant, resolve_device, resolve_dtype, step_defaults
 from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
-from jitney.worker.model import CausalLM
 from jitney.worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
 from jitney.worker.sampler import pack_results, sample
 from jitney.worker.warmup import profile_activations, warm_up
@@ -50,8 +49,6 @@ class ModelRunner:
         self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
                                             batch_invariant=self.batch_invariant)
-        if self.device.type == "cuda" and self.batch_invariant:
-            _use_triton_matmul(self.model)
         loaded = time.perf_counter()
         self.model.use_backend(make_attention_backend(config.attention_backend, self.device,
                                                       batch_invariant=self.batch_invariant),
@@ -192,19 +189,6 @@ class ModelRunner:
         result.seq_ids.extend(seq_ids)
         result.token_ids.extend(tokens)
         result.logprobs.extend(logprobs)
-
-
-def _use_triton_matmul(model: CausalLM) -> None:
-    """CUDA's ``--batch-invariant``: every linear layer and the logits' head through the Triton matmul."""
-    try:
-        from jitney.worker.triton_matmul import InvariantLinear, use_invariant_linears
-    except ImportError as err:
-        raise BackendUnavailableError("--batch-invariant on CUDA needs the triton package "
-                                      "(pip install triton)") from err
-    swapped = use_invariant_linears(model)
-    if model.lm_head is None:  # tied to the embedding: the logits through the same kernel too
-        model.lm_head, swapped = InvariantLinear(model.model.embed_tokens.weight, None), swapped + 1
-    logger.info("batch-invariant: %d linear layers (LM head included) run the Triton matmul", swapped)
 
 
 def _decodes_first(chunk: StepChunk) -> tuple[bool, int]:
