@@ -52,10 +52,20 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Which of the request's n samples this event belongs to; finish_reason
+    # ends that sample, ``stream_done`` the whole request (usage then holds
+    # the prompt once and the completion tokens of all samples).
+    sample_index: int = 0
+    stream_done: bool = False
+    # Per token in token_ids: the top_logprobs most likely (id, logprob).
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # In a request's first event when prompt_logprobs was asked for: per
+    # prompt token (id, logprob or None for the first, top alternatives).
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
 
     @property
     def is_last(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+        return self.stream_done or self.error is not None
 
 
 @dataclass(eq=False)

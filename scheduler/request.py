@@ -41,6 +41,15 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()        # stop strings, matched on the scheduler side
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    min_p: float = 0.0                # [0, 1], 0 = off
+    repetition_penalty: float = 1.0   # (0, 10], 1 = off; prompt + output
+    presence_penalty: float = 0.0     # [-2, 2]; output only
+    frequency_penalty: float = 0.0    # [-2, 2]; output only
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), sorted by id
+    min_tokens: int = 0               # EOS / stop ids / stop strings held off until then
+    top_logprobs: int = 0             # 0..20 alternatives per sampled token
+    prompt_logprobs: int | None = None   # None = off; else 0..20 alternatives
+    n: int = 1                        # samples of the prompt (1..16)
 
 
 @dataclass(eq=False)

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajitney/v1/generation.proto\x12\tjitney.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.jitney.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xf6\x01\n\x10GenerationParams\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.jitney.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.jitney.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x10 \x01(\tB\x08\n\x06promptB\x0b\n\t_priority\"D\n\x15GenerateStreamRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\">\n\x0fGenerateRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb0\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\"Q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\x9e\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x16\n\x0ewarmup_seconds\x18\x0b \x01(\x01\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0c \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\x94\x02\n\x16GetServerStatsResponse\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x12\n\nworker_pid\x18\x14 \x01(\r\x12\x17\n\x0fworker_restarts\x18\x15 \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x1e \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x1f \x01(\x04*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12!\n\x1d\x46INISH_REASON_END_OF_SEQUENCE\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\x9e\x03\n\x11GenerationService\x12W\n\x0eGenerateStream\x12 .jitney.v1.GenerateStreamRequest\x1a!.jitney.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Generate\x12\x1a.jitney.v1.GenerateRequest\x1a\x1b.jitney.v1.GenerateResponse\x12\x43\n\x08Tokenize\x12\x1a.jitney.v1.TokenizeRequest\x1a\x1b.jitney.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.jitney.v1.GetModelInfoRequest\x1a\x1f.jitney.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jitney.v1.GetServerStatsRequest\x1a!.jitney.v1.GetServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajitney/v1/generation.proto\x12\tjitney.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.jitney.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc0\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.jitney.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x91\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.jitney.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xaa\x02\n\x10GenerationParams\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.jitney.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.jitney.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x10 \x01(\t\x12\x32\n\x0fresponse_format\x18\x11 \x01(\x0b\x32\x19.jitney.v1.ResponseFormatB\x08\n\x06promptB\x0b\n\t_priority\"D\n\x15GenerateStreamRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\">\n\x0fGenerateRequest\x12+\n\x06params\x18\x01 \x01(\x0b\x32\x1b.jitney.v1.GenerationParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"m\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x03 \x01(\x0b\x32\x16.jitney.v1.TopLogprobsB\n\n\x08_logprob\"\xac\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.jitney.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.jitney.v1.PromptTokenLogprob\"\xb1\x01\n\x0fGeneratedSample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.jitney.v1.TopLogprobs\"\xbd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.jitney.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jitney.v1.Usage\x12+\n\x07samples\x18\x07 \x03(\x0b\x32\x1a.jitney.v1.GeneratedSample\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.jitney.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.jitney.v1.PromptTokenLogprob\"Q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jitney.v1.ChatPromptH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\x9e\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x16\n\x0ewarmup_seconds\x18\x0b \x01(\x01\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0c \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\x94\x02\n\x16GetServerStatsResponse\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x06 \x01(\x04\x12\x12\n\nworker_pid\x18\x14 \x01(\r\x12\x17\n\x0fworker_restarts\x18\x15 \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x1e \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x1f \x01(\x04*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12!\n\x1d\x46INISH_REASON_END_OF_SEQUENCE\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\x9e\x03\n\x11GenerationService\x12W\n\x0eGenerateStream\x12 .jitney.v1.GenerateStreamRequest\x1a!.jitney.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Generate\x12\x1a.jitney.v1.GenerateRequest\x1a\x1b.jitney.v1.GenerateResponse\x12\x43\n\x08Tokenize\x12\x1a.jitney.v1.TokenizeRequest\x1a\x1b.jitney.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.jitney.v1.GetModelInfoRequest\x1a\x1f.jitney.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jitney.v1.GetServerStatsRequest\x1a!.jitney.v1.GetServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jitney.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1994
-  _globals['_FINISHREASON']._serialized_end=2167
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3295
+  _globals['_FINISHREASON']._serialized_end=3468
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATPROMPT']._serialized_start=87
@@ -40,31 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=143
   _globals['_TOKENIDS']._serialized_end=166
   _globals['_SAMPLINGPARAMS']._serialized_start=169
-  _globals['_SAMPLINGPARAMS']._serialized_end=413
-  _globals['_GENERATIONPARAMS']._serialized_start=416
-  _globals['_GENERATIONPARAMS']._serialized_end=662
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=664
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=732
-  _globals['_GENERATEREQUEST']._serialized_start=734
-  _globals['_GENERATEREQUEST']._serialized_end=796
-  _globals['_USAGE']._serialized_start=798
-  _globals['_USAGE']._serialized_end=885
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=888
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1064
-  _globals['_GENERATERESPONSE']._serialized_start=1067
-  _globals['_GENERATERESPONSE']._serialized_end=1237
-  _globals['_TOKENIZEREQUEST']._serialized_start=1239
-  _globals['_TOKENIZEREQUEST']._serialized_end=1320
-  _globals['_TOKENIZERESPONSE']._serialized_start=1322
-  _globals['_TOKENIZERESPONSE']._serialized_end=1375
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1377
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1398
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1401
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1687
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1689
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1712
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1715
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1991
-  _globals['_GENERATIONSERVICE']._serialized_start=2170
-  _globals['_GENERATIONSERVICE']._serialized_end=2584
+  _globals['_SAMPLINGPARAMS']._serialized_end=873
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=631
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=679
+  _globals['_RESPONSEFORMAT']._serialized_start=876
+  _globals['_RESPONSEFORMAT']._serialized_end=1021
+  _globals['_CHOICE']._serialized_start=1023
+  _globals['_CHOICE']._serialized_end=1048
+  _globals['_GENERATIONPARAMS']._serialized_start=1051
+  _globals['_GENERATIONPARAMS']._serialized_end=1349
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1351
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1419
+  _globals['_GENERATEREQUEST']._serialized_start=1421
+  _globals['_GENERATEREQUEST']._serialized_end=1483
+  _globals['_USAGE']._serialized_start=1485
+  _globals['_USAGE']._serialized_end=1572
+  _globals['_TOPLOGPROBS']._serialized_start=1574
+  _globals['_TOPLOGPROBS']._serialized_end=1624
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=1626
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1735
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1738
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2038
+  _globals['_GENERATEDSAMPLE']._serialized_start=2041
+  _globals['_GENERATEDSAMPLE']._serialized_end=2218
+  _globals['_GENERATERESPONSE']._serialized_start=2221
+  _globals['_GENERATERESPONSE']._serialized_end=2538
+  _globals['_TOKENIZEREQUEST']._serialized_start=2540
+  _globals['_TOKENIZEREQUEST']._serialized_end=2621
+  _globals['_TOKENIZERESPONSE']._serialized_start=2623
+  _globals['_TOKENIZERESPONSE']._serialized_end=2676
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2678
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2699
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2702
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2988
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2990
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=3013
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=3016
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=3292
+  _globals['_GENERATIONSERVICE']._serialized_start=3471
+  _globals['_GENERATIONSERVICE']._serialized_end=3885
 # @@protoc_insertion_point(module_scope)
