@@ -255,6 +255,7 @@ class Engine:
             event.prompt_tokens = req.num_prompt_tokens
             event.completion_tokens = req.num_output_tokens
             event.cached_prompt_tokens = req.num_cached_tokens
+            event.stream_done = True
             handle.done = True
             del self._handles[req.seq_id]
         handle.events.put_nowait(event)
