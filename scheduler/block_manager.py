@@ -194,6 +194,18 @@ class BlockManager:
             self.prefix_cache_queried_tokens += request.num_tokens
             self.prefix_cache_hit_tokens += len(cached) * self._block_size
 
+    def share_blocks(self, request: Request, blocks: Sequence[int]) -> None:
+        """Start the empty table of ``request`` with ``blocks`` that another
+        running request holds (full, computed prompt blocks of an n > 1
+        parent): ref + 1 each, not counted as prefix-cache hits."""
+        if request.block_ids:
+            raise AssertionError(f"seq {request.seq_id} boards holding blocks")
+        for block_id in blocks:
+            if self._ref_counts[block_id] < 1:
+                raise AssertionError(f"block {block_id} shared while idle")
+            self._ref_counts[block_id] += 1
+        request.block_ids.extend(blocks)
+
     def cache_full_blocks(self, request: Request, first_position: int) -> None:
         """Register the blocks that positions ``[first_position,
         num_computed_tokens)`` filled (only blocks whose tokens are all known).

@@ -64,12 +64,16 @@ class StopStringMatcher:
         self._stop = stop
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, match: bool = True) -> tuple[str, bool]:
         """Add ``text``; return (text safe to emit, whether a stop matched).
 
         On a match the returned text ends just before the first stop string
-        to complete, and everything after it is discarded.
+        to complete, and everything after it is discarded. With ``match``
+        False (before min_tokens) the text passes unmatched and unheld.
         """
+        if not match:
+            out, self._held = self._held + text, ""
+            return out, False
         buf = self._held + text
         cut = self._earliest_stop(buf)
         if cut is not None:
@@ -158,13 +162,14 @@ class IncrementalDetokenizer:
         """Whether a stop string matched."""
         return self._stopped
 
-    def push(self, token_ids: list[int]) -> DetokenizerUpdate:
-        """Add newly sampled token ids; return the text to send now."""
+    def push(self, token_ids: list[int], match_stop: bool = True) -> DetokenizerUpdate:
+        """Add newly sampled token ids; return the text to send now.
+        ``match_stop`` False: stop strings are not looked for in this text."""
         if self._finished:
             return DetokenizerUpdate("", self._stopped)
         self._window.extend(t for t in token_ids if t not in self._special_ids)
         delta = self._decode_delta(final=False)
-        text, self._stopped = self._matcher.feed(delta) if delta else ("", False)
+        text, self._stopped = self._matcher.feed(delta, match_stop) if delta else ("", False)
         self._finished = self._stopped
         return DetokenizerUpdate(self._record(text), self._stopped)
 

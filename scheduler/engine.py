@@ -14,14 +14,16 @@ from collections import deque
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
 
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.admission import AdmissionLimits
 from jitney.scheduler.config import SchedulerConfig
 from jitney.scheduler.detokenizer import IncrementalDetokenizer
-from jitney.scheduler.plan import to_step_plan
+from jitney.scheduler.plan import sample_seed, to_step_plan
 from jitney.scheduler.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
 from jitney.scheduler.trace import StepTracer
@@ -68,16 +70,46 @@ class StreamEvent:
         return self.stream_done or self.error is not None
 
 
-@dataclass(eq=False)
-class RequestHandle:
-    """A submitted request: its id and the queue its events arrive on."""
+class Matcher(Protocol):
+    """A sample's grammar state (``grammar.GrammarMatcher``)."""
 
-    request_id: str
+    def accept_token(self, token_id: int) -> bool: ...
+    def fill_bitmask(self, out: Any) -> None: ...
+    def is_terminated(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Sample:
+    """One of a request's n samples: a scheduler Request of its own."""
+
+    index: int
     request: Request
     detokenizer: IncrementalDetokenizer
+    matcher: Matcher | None = None      # constrained output: the grammar's state
+    done: bool = False
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request: its id, its samples and the queue its events arrive on."""
+
+    request_id: str
+    samples: list[Sample]
     events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     done: bool = False
     deadline_timer: asyncio.TimerHandle | None = None
+    # Prompt logprobs by position (1..P-1) as they arrive, until all are in.
+    prompt_logprobs: dict[int, tuple[int, float, list[tuple[int, float]]]] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def request(self) -> Request:
+        """Sample 0's request (the only one when n = 1)."""
+        return self.samples[0].request
+
+    @property
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return self.samples[0].detokenizer
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
         while True:
@@ -92,8 +124,11 @@ class Engine:
 
     def __init__(self, config: SchedulerConfig, link: WorkerLink, tokenizer: Any,
                  eos_token_ids: frozenset[int], tracer: StepTracer | None = None,
-                 admission: AdmissionLimits | None = None, pipeline_depth: int = 2) -> None:
+                 admission: AdmissionLimits | None = None, pipeline_depth: int = 2,
+                 vocab_size: int = 0) -> None:
         self.config = config
+        self._eos_token_ids = eos_token_ids
+        self._vocab_size = vocab_size   # the model's logits width (grammar bitmasks)
         self.pipeline_depth = pipeline_depth   # plans in flight at once (1 = no overlap)
         self.admission = admission or AdmissionLimits()
         self.scheduler = Scheduler(config, eos_token_ids=eos_token_ids)
@@ -119,18 +154,28 @@ class Engine:
             raise EngineUnavailableError("the engine is shutting down")
         self.admission.check(self.scheduler.num_waiting, self._waiting_tokens(),
                              len(validated.prompt_token_ids))
-        req = Request(
-            seq_id=next(self._seq_ids),
-            prompt_token_ids=list(validated.prompt_token_ids),
-            sampling=validated.sampling,
-            arrival_time=time.monotonic(),
-            priority=validated.priority,
-            cache_salt=validated.cache_salt,
-        )
-        detok = IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, validated.sampling.stop)
-        handle = RequestHandle(validated.request_id, req, detok)
-        self._handles[req.seq_id] = handle
-        self.scheduler.add_request(req)
+        arrival, prompt, parent = time.monotonic(), list(validated.prompt_token_ids), None
+        samples = []
+        for index in range(validated.sampling.n):
+            req = Request(
+                seq_id=next(self._seq_ids),
+                prompt_token_ids=prompt,
+                sampling=replace(validated.sampling, seed=sample_seed(validated.sampling.seed, index),
+                                 prompt_logprobs=None if index else validated.sampling.prompt_logprobs),
+                arrival_time=arrival,
+                priority=validated.priority,
+                cache_salt=validated.cache_salt,
+                parent=parent,
+                sample_index=index,
+            )
+            parent = parent or req
+            detok = IncrementalDetokenizer(self._tokenizer, prompt, validated.sampling.stop)
+            matcher = validated.grammar.new_matcher() if validated.grammar is not None else None
+            samples.append(Sample(index, req, detok, matcher))
+        handle = RequestHandle(validated.request_id, samples)
+        for sample in samples:
+            self._handles[sample.request.seq_id] = handle
+            self.scheduler.add_request(sample.request)
         limit = self.admission.time_limit(time_remaining)
         if limit is not None:
             handle.deadline_timer = asyncio.get_running_loop().call_later(
@@ -139,7 +184,7 @@ class Engine:
         return handle
 
     def _waiting_tokens(self) -> int:
-        return sum(h.request.num_tokens for h in self._handles.values()
+        return sum(h.request.num_tokens for h in set(self._handles.values())
                    if h.request.status is RequestStatus.WAITING)
 
     def _expire(self, handle: RequestHandle) -> None:
@@ -155,13 +200,17 @@ class Engine:
         if handle.done:
             return
         handle.done = True
-        self._handles.pop(handle.request.seq_id, None)
-        self.scheduler.abort_request(handle.request.seq_id, reason)
+        for sample in handle.samples:
+            self._handles.pop(sample.request.seq_id, None)
+            if not sample.done:
+                sample.done = True
+                self.scheduler.abort_request(sample.request.seq_id, reason)
         self._wakeup.set()
 
     @property
     def num_active(self) -> int:
-        return len(self._handles)
+        """Requests in flight (a request's n samples count once)."""
+        return len(set(self._handles.values()))
 
     # -- the loop ----------------------------------------------------------
     async def run(self) -> None:
@@ -180,8 +229,11 @@ class Engine:
                 output = self.scheduler.schedule()
                 if not output.is_empty:
                     started = self._tracer.now() if self._tracer else 0.0
-                    await self._link.send_plan(to_step_plan(output))
+                    plan = to_step_plan(output, self._eos_token_ids, self._is_masked)
+                    await self._link.send_plan(plan)
                     in_flight.append((output, started))
+                    if len(in_flight) == 1:
+                        await self._send_masks(output)
                     continue
             if in_flight:
                 output, started = in_flight.popleft()
@@ -191,6 +243,8 @@ class Engine:
                     self._fail_step(output, str(exc))
                     continue
                 self._apply(output, result, started)
+                if in_flight:   # its masks needed this step's tokens: now they are in
+                    await self._send_masks(in_flight[0][0])
                 continue
             if self.scheduler.has_work():
                 log.error("requests are waiting but none can be scheduled")
@@ -207,18 +261,69 @@ class Engine:
         if self.on_step is not None:
             self.on_step(result.worker_seconds, len(output.scheduled))
         try:   # checks the whole result before it changes anything
+            top = self._split_top_logprobs(output, result)
             updated = self.scheduler.update_from_output(
                 output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
         except ValueError as exc:
             self._fail_step(output, f"the worker's result of step {output.step_id} is unusable: {exc}")
             return
+        for entry in result.prompt_logprobs:
+            self._collect_prompt_logprobs(entry)
         for req in updated:
-            self._emit_guarded(req)
+            self._emit_guarded(req, top.get(req.seq_id, []))
 
-    def _emit_guarded(self, req: Request) -> None:
+    def _split_top_logprobs(self, output: SchedulerOutput, result: engine_pb2.StepResult
+                            ) -> dict[int, list[tuple[int, float]]]:
+        """The result's flat top-logprobs arrays, per sampled sequence."""
+        top: dict[int, list[tuple[int, float]]] = {}
+        offset = 0
+        for chunk in output.scheduled:
+            n = chunk.request.sampling.top_logprobs
+            if chunk.sample and n:
+                ids = result.top_token_ids[offset:offset + n]
+                top[chunk.request.seq_id] = list(zip(ids, result.top_logprobs[offset:offset + n]))
+                offset += n
+        if offset != len(result.top_token_ids) or offset != len(result.top_logprobs):
+            raise ValueError(f"{len(result.top_token_ids)} top logprobs for {offset} expected")
+        return top
+
+    def _collect_prompt_logprobs(self, entry: engine_pb2.PromptLogprobs) -> None:
+        """Keep a chunk's prompt logprobs until the prompt's are all in."""
+        handle = self._handles.get(entry.seq_id)
+        if handle is None or handle.prompt_logprobs_sent or entry.seq_id != handle.request.seq_id:
+            return
+        n = handle.request.sampling.prompt_logprobs or 0
+        for i, (token, logprob) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            alternatives = list(zip(entry.top_token_ids[i * n:(i + 1) * n], entry.top_logprobs[i * n:(i + 1) * n]))
+            handle.prompt_logprobs[entry.start_position + i] = (token, logprob, alternatives)
+        if len(handle.prompt_logprobs) >= handle.request.num_prompt_tokens - 1:
+            handle.request.prompt_logprobs_done = True
+
+    def _is_masked(self, request: Request) -> bool:
+        handle = self._handles.get(request.seq_id)
+        return handle is not None and handle.samples[request.sample_index].matcher is not None
+
+    async def _send_masks(self, output: SchedulerOutput) -> None:
+        """The bitmasks of ``output``'s constrained samples, from their grammar
+        states after every token sampled before (the step runs meanwhile)."""
+        masked = [c.request for c in output.scheduled if c.sample and self._is_masked(c.request)]
+        if not masked:
+            return
+        words = -(-self._vocab_size // 32)
+        bitmask = np.full((len(masked), words), -1, dtype=np.int32)   # a finished sample: anything
+        for row, request in enumerate(masked):
+            handle = self._handles.get(request.seq_id)
+            matcher = handle.samples[request.sample_index].matcher if handle is not None else None
+            if matcher is not None and not request.is_finished:
+                matcher.fill_bitmask(bitmask[row])
+        await self._link.send_masks(engine_pb2.StepMasks(
+            step_id=output.step_id, seq_ids=[r.seq_id for r in masked],
+            bitmask=bitmask.astype("<i4", copy=False).tobytes()))
+
+    def _emit_guarded(self, req: Request, top: list[tuple[int, float]]) -> None:
         """``_emit``, but a failure ends that one request (INTERNAL), not the loop."""
         try:
-            self._emit(req)
+            self._emit(req, top)
         except Exception:
             log.exception("handling the result of request seq %d failed; ending it", req.seq_id)
             handle = self._handles.get(req.seq_id)
@@ -231,34 +336,63 @@ class Engine:
         self._closed = True
         if self._tracer is not None:
             self._tracer.flush()    # the process closes it; a restarted worker's engine appends
-        for handle in list(self._handles.values()):
+        for handle in set(self._handles.values()):
             self._end_with_error(handle, message)
         self._wakeup.set()
 
     # -- internals ---------------------------------------------------------
-    def _emit(self, req: Request) -> None:
+    def _emit(self, req: Request, top: list[tuple[int, float]]) -> None:
         handle = self._handles.get(req.seq_id)
         if handle is None or handle.done:
             return
+        sample = handle.samples[req.sample_index]
         token = req.output_token_ids[-1]
-        update = handle.detokenizer.push([token])
+        if sample.matcher is not None and not req.is_finished:
+            self._advance_grammar(sample, token)
+        # Before min_tokens, stop strings are not matched (as stop ids are banned).
+        update = sample.detokenizer.push([token], match_stop=req.num_output_tokens > req.sampling.min_tokens)
         text = update.text
         if update.stopped and not req.is_finished:
             self.scheduler.finish_request(req.seq_id, FinishReason.STOP_SEQUENCE)
         elif req.is_finished:
-            text += handle.detokenizer.flush()
-            if handle.detokenizer.stopped:   # the last characters completed a stop string
+            text += sample.detokenizer.flush()
+            if sample.detokenizer.stopped:   # the last characters completed a stop string
                 req.finish_reason = FinishReason.STOP_SEQUENCE
-        event = StreamEvent(token_ids=[token], logprobs=[req.output_logprobs[-1]], text=text)
+        event = StreamEvent(token_ids=[token], logprobs=[req.output_logprobs[-1]], text=text,
+                            sample_index=sample.index, top_logprobs=[top] if top else [])
+        if req.sampling.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
+            event.prompt_logprobs = self._prompt_logprobs(handle)
+            handle.prompt_logprobs_sent = True
         if req.is_finished:
             event.finish_reason = req.finish_reason
-            event.prompt_tokens = req.num_prompt_tokens
-            event.completion_tokens = req.num_output_tokens
-            event.cached_prompt_tokens = req.num_cached_tokens
-            event.stream_done = True
-            handle.done = True
+            sample.done = True
             del self._handles[req.seq_id]
+            if all(s.done for s in handle.samples):
+                event.stream_done = True
+                event.prompt_tokens = req.num_prompt_tokens
+                event.completion_tokens = sum(s.request.num_output_tokens for s in handle.samples)
+                event.cached_prompt_tokens = handle.request.num_cached_tokens
+                handle.done = True
         handle.events.put_nowait(event)
+
+    def _advance_grammar(self, sample: Sample, token: int) -> None:
+        """Feed the sampled token to the sample's grammar; a complete grammar ends it."""
+        assert sample.matcher is not None
+        req = sample.request
+        if not sample.matcher.accept_token(token):
+            raise RuntimeError(f"seq {req.seq_id}: token {token} breaks its grammar despite the mask")
+        if sample.matcher.is_terminated() and not req.is_finished:
+            self.scheduler.finish_request(req.seq_id, FinishReason.END_OF_SEQUENCE)
+
+    def _prompt_logprobs(self, handle: RequestHandle) -> list[tuple[int, float | None, list[tuple[int, float]]]]:
+        """The request's prompt logprobs, in prompt order (the first token has none)."""
+        prompt = handle.request.prompt_token_ids
+        got = handle.prompt_logprobs
+        if len(got) < len(prompt) - 1:
+            raise RuntimeError(f"seq {handle.request.seq_id}: {len(got)} prompt logprobs "
+                               f"for {len(prompt) - 1} positions")
+        first: tuple[int, float | None, list[tuple[int, float]]] = (prompt[0], None, [])
+        return [first] + [(prompt[p], got[p][1], got[p][2]) for p in range(1, len(prompt))]
 
     def _fail_step(self, output: Any, message: str) -> None:
         log.error("%s; ending the %d requests of that step", message, len(output.scheduled))
@@ -266,7 +400,7 @@ class Engine:
         self.scheduler.block_manager.reset_prefix_cache()
         for chunk in output.scheduled:
             handle = self._handles.get(chunk.request.seq_id)
-            if handle is not None:
+            if handle is not None and not handle.done:
                 self._end_with_error(handle, "the worker failed to run this request's step",
                                      code="INTERNAL")
 

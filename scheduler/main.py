@@ -163,7 +163,7 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),
-                  tracer=tracer, admission=admission)
+                  tracer=tracer, admission=admission, vocab_size=ready.vocab_size)
 
 
 def _step_limit(name: str, asked: int | None, worker: int) -> int:

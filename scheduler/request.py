@@ -76,6 +76,18 @@ class Request:
     cache_salt: str = ""               # prefix-cache namespace ("" = shared)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of
                                        # the first full blocks (block_manager.py)
+    # n > 1: samples 1.. of a request wait (held) until sample 0, their
+    # parent, has computed the prompt; they then share its full prompt blocks.
+    parent: Request | None = None
+    sample_index: int = 0
+    # prompt_logprobs were asked for and are all in: later passes (after a
+    # preemption) neither compute them again nor skip the prefix cache.
+    prompt_logprobs_done: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to be computed (so no cached prefix is read)."""
+        return self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_done
 
     @property
     def num_prompt_tokens(self) -> int:

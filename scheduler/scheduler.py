@@ -84,6 +84,7 @@ class Scheduler:
                                           config.enable_prefix_caching)
         self._eos_token_ids = eos_token_ids
         self._waiting: list[Request] = []       # sorted by _queue_key
+        self._held: list[Request] = []          # n > 1 samples waiting for their parent's prompt
         self._running: list[Request] = []       # batch order (boarding order)
         self._requests: dict[int, Request] = {}  # waiting or running
         self._on_worker: set[int] = set()       # seq_ids the worker holds
@@ -102,7 +103,10 @@ class Scheduler:
                 f"seq {request.seq_id}: prompt of {request.num_tokens} tokens, "
                 f"must be 1..{self.config.max_model_len}")
         self._requests[request.seq_id] = request
-        bisect.insort(self._waiting, request, key=_queue_key)
+        if request.parent is not None:
+            self._held.append(request)
+        else:
+            bisect.insort(self._waiting, request, key=_queue_key)
 
     def abort_request(self, seq_id: int, reason: FinishReason) -> Request | None:
         """Finish a live request now and free its blocks; ``None`` if unknown."""
@@ -121,7 +125,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._held)
 
     @property
     def num_running(self) -> int:
@@ -129,12 +133,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a schedule() call would have anything to send."""
-        return bool(self._waiting or self._running or self._pending_freed)
+        return bool(self._waiting or self._running or self._pending_freed or self._held)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; advances the scheduled requests' progress."""
         self._step_id += 1
         output = SchedulerOutput(step_id=self._step_id)
+        if self._held:
+            self._release_held()
         self._schedule_running(output)
         if not output.preempted:   # boarding now would only thrash
             self._admit_waiting(output)
@@ -142,6 +148,32 @@ class Scheduler:
         for chunk in output.scheduled:
             self.block_manager.cache_full_blocks(chunk.request, chunk.start_position)
         return output
+
+    def _release_held(self) -> None:
+        """n > 1: samples whose parent computed its prompt in an earlier step
+        (or left) join the queue; they board sharing the parent's blocks."""
+        held, self._held = self._held, []
+        for request in held:
+            parent = request.parent
+            assert parent is not None
+            if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
+                bisect.insort(self._waiting, request, key=_queue_key)
+            else:
+                self._held.append(request)
+
+    def _prefix_for(self, request: Request) -> tuple[list[int], bool]:
+        """Blocks a boarding request starts with, and whether they are shared
+        from its running parent (else they are prefix-cache hits)."""
+        parent = request.parent
+        if (parent is not None and parent.status is RequestStatus.RUNNING
+                and parent.num_computed_tokens >= request.num_prompt_tokens
+                and not request.output_token_ids):
+            # Full prompt blocks only, and the last token computed again: the
+            # sample needs logits of its own (and writes its own last block).
+            return parent.block_ids[:(request.num_prompt_tokens - 1) // self.config.block_size], True
+        if request.wants_prompt_logprobs:
+            return [], False
+        return self.block_manager.find_cached_prefix(request), False
 
     def _budget_left(self, output: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - output.num_batched_tokens
@@ -180,20 +212,23 @@ class Scheduler:
             request = self._waiting[0]
             if request.num_pending_samples:
                 break   # preempted with a sample in flight: board once it is in
-            cached = self.block_manager.find_cached_prefix(request)
+            cached, shared = self._prefix_for(request)
             num_cached = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(output))
             if not self.block_manager.can_board(cached, num_cached + num_new):
                 break   # FCFS: nobody skips ahead
             self._waiting.pop(0)
-            self._board(request, cached)
+            self._board(request, cached, shared)
             self._schedule_chunk(request, num_new, output)
             seats -= 1
             self._batch_left = max(0, self._batch_left - 1)
 
-    def _board(self, request: Request, cached: list[int]) -> None:
-        """Seat a waiting request; it starts past its cached prefix."""
-        self.block_manager.attach_cached(request, cached)
+    def _board(self, request: Request, cached: list[int], shared: bool = False) -> None:
+        """Seat a waiting request; it starts past its cached (or shared) prefix."""
+        if shared:
+            self.block_manager.share_blocks(request, cached)
+        else:
+            self.block_manager.attach_cached(request, cached)
         request.num_computed_tokens = len(cached) * self.config.block_size
         if request.num_preemptions == 0:    # usage reports the first boarding
             request.num_cached_tokens = request.num_computed_tokens
@@ -297,6 +332,8 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
+        elif request in self._held:
+            self._held.remove(request)
         else:
             self._waiting.remove(request)
         self._release(request)
@@ -314,14 +351,15 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the scheduler's state is inconsistent."""
         self.block_manager.check_invariants()
-        waiting_ids = {r.seq_id for r in self._waiting}
+        waiting_ids = {r.seq_id for r in self._waiting + self._held}
         running_ids = {r.seq_id for r in self._running}
         _check(not waiting_ids & running_ids, "a request is waiting and running")
         _check(waiting_ids | running_ids == set(self._requests), "lost a request")
         _check(len(self._running) <= self.config.max_num_seqs, "seats exceeded")
         _check(self._waiting == sorted(self._waiting, key=_queue_key), "waiting out of order")
         _check(all(r.status is RequestStatus.WAITING and not r.block_ids
-                   for r in self._waiting), "a waiting request holds blocks")
+                   for r in self._waiting + self._held), "a waiting request holds blocks")
+        _check(all(r.parent is not None for r in self._held), "a held request has no parent")
         _check(all(r.status is RequestStatus.RUNNING and len(r.block_ids) == cdiv(
             r.num_computed_tokens, self.config.block_size) for r in self._running),
             "a running request's table does not match its progress")

@@ -106,18 +106,31 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         state, handle, record = await self._submit(request.params, context)
         response = pb.GenerateResponse(request_id=handle.request_id)
+        samples = [pb.GeneratedSample(index=i) for i in range(len(handle.samples))]
         try:
             async for event in handle.stream():
                 await _record(record, event, context)
-                response.text += event.text
-                response.token_ids.extend(event.token_ids)
-                response.logprobs.extend(event.logprobs)
+                sample = samples[event.sample_index]
+                sample.text += event.text
+                sample.token_ids.extend(event.token_ids)
+                sample.logprobs.extend(event.logprobs)
+                sample.top_logprobs.extend(_top_logprobs(event))
+                if event.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(_prompt_logprobs(event))
                 if event.finish_reason is not None:
-                    response.finish_reason = FINISH_REASONS[event.finish_reason]
+                    sample.finish_reason = FINISH_REASONS[event.finish_reason]
+                if event.stream_done:
                     response.usage.CopyFrom(_usage(event))
         finally:
             record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
+        first = samples[0]
+        response.text, response.finish_reason = first.text, first.finish_reason
+        response.token_ids.extend(first.token_ids)
+        response.logprobs.extend(first.logprobs)
+        response.top_logprobs.extend(first.top_logprobs)
+        if len(samples) > 1:
+            response.samples.extend(samples)
         return response
 
     async def Tokenize(self, request: pb.TokenizeRequest,
@@ -174,7 +187,8 @@ async def _record(record: RequestRecord, event: StreamEvent,
         record.on_error(event.error_code, event.error)
         await context.abort(grpc.StatusCode[event.error_code], event.error)
     record.on_tokens(len(event.token_ids))
-    if event.finish_reason is not None:
+    if event.stream_done:
+        assert event.finish_reason is not None
         record.on_finish(event.finish_reason.value)
 
 
@@ -193,10 +207,31 @@ def _usage(event: StreamEvent) -> pb.Usage:
                     cached_prompt_tokens=event.cached_prompt_tokens)
 
 
+def _top_logprobs(event: StreamEvent) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+            for top in event.top_logprobs]
+
+
+def _prompt_logprobs(event: StreamEvent) -> list[pb.PromptTokenLogprob]:
+    assert event.prompt_logprobs is not None
+    out = []
+    for token, logprob, top in event.prompt_logprobs:
+        entry = pb.PromptTokenLogprob(
+            token_id=token, top=pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]))
+        if logprob is not None:
+            entry.logprob = logprob
+        out.append(entry)
+    return out
+
+
 def _stream_response(request_id: str, event: StreamEvent) -> pb.GenerateStreamResponse:
     response = pb.GenerateStreamResponse(
-        request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text)
+        request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text,
+        sample_index=event.sample_index, top_logprobs=_top_logprobs(event))
+    if event.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_prompt_logprobs(event))
     if event.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[event.finish_reason]
+    if event.stream_done:
         response.usage.CopyFrom(_usage(event))
     return response

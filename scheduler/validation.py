@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,11 @@ MAX_TEMPERATURE = 100.0
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_PRIORITY = 1000               # |priority| bound; higher boards first
+MAX_PENALTY = 2.0                 # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0            # |bias| (OpenAI's range)
+MAX_LOGPROBS = 20                 # top_logprobs and prompt_logprobs alternatives
+MAX_SAMPLES = 16                  # n
 
 
 class InvalidRequestError(ValueError):
@@ -56,6 +61,7 @@ class ModelLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024            # entries of logit_bias
     max_prompt_chars: int = 1_000_000     # text, or chat contents summed
 
 
@@ -68,6 +74,7 @@ class ValidatedRequest:
     request_id: str
     priority: int = 0
     cache_salt: str = ""              # prefix-cache namespace; "" = shared
+    grammar: Any = None               # a grammar.CompiledGrammar: constrained output
 
 
 def validate_generation(
@@ -217,7 +224,7 @@ def _sampling(
     new_seed: Callable[[], int],
 ) -> SamplingOptions:
     f = "params.sampling"
-    return SamplingOptions(
+    options = SamplingOptions(
         temperature=_temperature(s, f"{f}.temperature"),
         top_p=_top_p(s, f"{f}.top_p"),
         top_k=_top_k(s, limits, f"{f}.top_k"),
@@ -226,7 +233,75 @@ def _sampling(
         stop=_stop_strings(s.stop, limits, f"{f}.stop"),
         stop_token_ids=_stop_token_ids(s.stop_token_ids, limits, f"{f}.stop_token_ids"),
         ignore_eos=s.ignore_eos,
+        min_p=_bounded(s, "min_p", 0.0, 0.0, 1.0, f),
+        repetition_penalty=_repetition_penalty(s, f"{f}.repetition_penalty"),
+        presence_penalty=_bounded(s, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, f),
+        frequency_penalty=_bounded(s, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, f),
+        logit_bias=_logit_bias(s.logit_bias, limits, f"{f}.logit_bias"),
+        min_tokens=_min_tokens(s, f"{f}.min_tokens"),
+        top_logprobs=_logprob_count(s, "top_logprobs", f) or 0,
+        prompt_logprobs=_logprob_count(s, "prompt_logprobs", f),
+        n=_num_samples(s, f"{f}.n"),
     )
+    if options.min_tokens > options.max_tokens:
+        raise InvalidRequestError(f"{f}.min_tokens", f"must be at most max_tokens ({options.max_tokens}), "
+                                                     f"got {options.min_tokens}")
+    return options
+
+
+def _bounded(s: generation_pb2.SamplingParams, name: str, default: float, low: float, high: float,
+             path: str) -> float:
+    """An optional float field in [low, high] (its default when unset)."""
+    if not s.HasField(name):
+        return default
+    value = getattr(s, name)
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidRequestError(f"{path}.{name}", f"must be in [{low:g}, {high:g}], got {value:g}")
+    return value
+
+
+def _repetition_penalty(s: generation_pb2.SamplingParams, field: str) -> float:
+    if not s.HasField("repetition_penalty"):
+        return 1.0
+    r = s.repetition_penalty
+    if not (math.isfinite(r) and 0 < r <= MAX_REPETITION_PENALTY):
+        raise InvalidRequestError(field, f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {r:g}")
+    return r
+
+
+def _logit_bias(bias: Mapping[int, float], limits: ModelLimits, field: str) -> tuple[tuple[int, float], ...]:
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidRequestError(field, f"has {len(bias)} entries, more than the limit {limits.max_logit_bias}")
+    for token, value in bias.items():
+        if token >= limits.vocab_size:
+            raise InvalidRequestError(f"{field}[{token}]",
+                                      f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidRequestError(f"{field}[{token}]",
+                                      f"bias must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value:g}")
+    return tuple(sorted(bias.items()))
+
+
+def _min_tokens(s: generation_pb2.SamplingParams, field: str) -> int:
+    return s.min_tokens if s.HasField("min_tokens") else 0
+
+
+def _logprob_count(s: generation_pb2.SamplingParams, name: str, path: str) -> int | None:
+    """top_logprobs / prompt_logprobs: None when unset, else 0..MAX_LOGPROBS."""
+    if not s.HasField(name):
+        return None
+    value = getattr(s, name)
+    if value > MAX_LOGPROBS:
+        raise InvalidRequestError(f"{path}.{name}", f"must be at most {MAX_LOGPROBS}, got {value}")
+    return value
+
+
+def _num_samples(s: generation_pb2.SamplingParams, field: str) -> int:
+    if not s.HasField("n"):
+        return 1
+    if not 1 <= s.n <= MAX_SAMPLES:
+        raise InvalidRequestError(field, f"must be in [1, {MAX_SAMPLES}], got {s.n}")
+    return s.n
 
 
 def _temperature(s: generation_pb2.SamplingParams, field: str) -> float:

@@ -120,6 +120,10 @@ class WorkerLink:
         msg = engine_pb2.SchedulerMessage(plan=plan)
         await self._send(msg.SerializeToString())
 
+    async def send_masks(self, masks: engine_pb2.StepMasks) -> None:
+        msg = engine_pb2.SchedulerMessage(masks=masks)
+        await self._send(msg.SerializeToString())
+
     async def send_shutdown(self) -> None:
         msg = engine_pb2.SchedulerMessage(shutdown=engine_pb2.Shutdown())
         try:
