@@ -25,7 +25,24 @@ def _generate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None, help="(0, 10], 1 = off")
+    gen.add_argument("--presence-penalty", type=float, default=None, help="[-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, default=None, help="[-2, 2]")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                     help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=None)
+    gen.add_argument("--top-logprobs", type=int, default=None, help="return the N most likely tokens per step")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, help="return the prompt's logprobs, N alternatives")
+    gen.add_argument("-n", "--n", type=int, default=None, help="number of samples (1..16)")
+    fmt = gen.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE", help="output matches this JSON schema")
+    fmt.add_argument("--json-object", action="store_true", help="output is a JSON object")
+    fmt.add_argument("--regex", default=None, help="output matches this regular expression")
+    fmt.add_argument("--choice", action="append", default=[], help="output is one of these (repeatable)")
+    fmt.add_argument("--grammar", default=None, metavar="EBNF|@FILE", help="output matches this EBNF grammar")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
 
@@ -61,36 +78,65 @@ def _bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from jitney.client.client import FINISH_REASON_NAMES, JitneyClient, Sampling, make_params
+    from jitney.client.client import FINISH_REASON_NAMES, JitneyClient, Sampling, make_params, response_format
 
+    try:
+        bias = {int(k): float(v) for k, v in (item.split("=", 1) for item in ns.logit_bias)}
+    except ValueError:
+        print(f"jitney: --logit-bias takes ID=BIAS, got {ns.logit_bias}", file=sys.stderr)
+        return 2
     sampling = Sampling(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed,
-                        max_tokens=ns.max_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos)
-    params = make_params(ns.prompt, chat=ns.chat, sampling=sampling)
-    text, ids, last = [], [], None
+                        max_tokens=ns.max_tokens, stop=ns.stop, stop_token_ids=ns.stop_token_id,
+                        ignore_eos=ns.ignore_eos, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+                        presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
+                        logit_bias=bias, min_tokens=ns.min_tokens, top_logprobs=ns.top_logprobs,
+                        prompt_logprobs=ns.prompt_logprobs, n=ns.n)
+    constraint = response_format(json_schema=_text_or_file(ns.json_schema), json_object=ns.json_object,
+                                 regex=ns.regex, choices=ns.choice, grammar=_text_or_file(ns.grammar))
+    params = make_params(ns.prompt, chat=ns.chat, sampling=sampling, constraint=constraint)
+    n = ns.n or 1
+    samples: list[dict] = [{"index": i, "text": "", "token_ids": [], "finish_reason": "unspecified"}
+                           for i in range(n)]
+    last = None
     with JitneyClient(ns.target) as client:
         try:
             for msg in client.generate_stream(params, timeout=ns.timeout):
-                text.append(msg.text)
-                ids.extend(msg.token_ids)
+                sample = samples[msg.sample_index]
+                sample["text"] += msg.text
+                sample["token_ids"].extend(msg.token_ids)
+                if msg.top_logprobs:
+                    sample.setdefault("top_logprobs", []).extend(
+                        [dict(zip(t.token_ids, t.logprobs)) for t in msg.top_logprobs])
+                if msg.finish_reason:
+                    sample["finish_reason"] = FINISH_REASON_NAMES.get(msg.finish_reason, "unspecified")
+                if msg.prompt_logprobs:
+                    samples[0]["prompt_logprobs"] = [
+                        p.logprob if p.HasField("logprob") else None for p in msg.prompt_logprobs]
                 last = msg
-                if not ns.json:
+                if not ns.json and n == 1:
                     print(msg.text, end="", flush=True)
         except grpc.RpcError as err:
             print(f"\njitney: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
+    assert last is not None
     if ns.json:
-        assert last is not None
-        print(json.dumps({
-            "text": "".join(text),
-            "token_ids": ids,
-            "finish_reason": FINISH_REASON_NAMES.get(last.finish_reason, "unspecified"),
-            "usage": {"prompt_tokens": last.usage.prompt_tokens,
-                      "completion_tokens": last.usage.completion_tokens,
-                      "cached_prompt_tokens": last.usage.cached_prompt_tokens},
-        }))
+        usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
+                 "cached_prompt_tokens": last.usage.cached_prompt_tokens}
+        print(json.dumps({**samples[0], "samples": samples, "usage": usage} if n > 1
+                         else {**samples[0], "usage": usage}))
+    elif n > 1:
+        for sample in samples:
+            print(f"--- sample {sample['index']} ({sample['finish_reason']}) ---\n{sample['text']}")
     else:
         print()
     return 0
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """A flag's value, or the contents of the file it names as @FILE."""
+    if value is not None and value.startswith("@"):
+        return Path(value[1:]).read_text()
+    return value
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import grpc
 
@@ -30,24 +31,59 @@ class Sampling:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_tokens: int | None = None
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int | None = None
+
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "min_tokens", "top_logprobs", "prompt_logprobs", "n")
 
     def to_proto(self) -> pb.SamplingParams:
         msg = pb.SamplingParams(stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-                                ignore_eos=self.ignore_eos)
-        for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+                                ignore_eos=self.ignore_eos, logit_bias=dict(self.logit_bias))
+        for name in self._OPTIONAL:
             value = getattr(self, name)
             if value is not None:
                 setattr(msg, name, value)
         return msg
 
 
+def response_format(*, json_schema: str | None = None, json_object: bool = False, regex: str | None = None,
+                    choices: Sequence[str] = (), grammar: str | None = None) -> pb.ResponseFormat | None:
+    """A ResponseFormat from at most one kind of constraint (None: free text)."""
+    kinds = [json_schema is not None, json_object, regex is not None, bool(choices), grammar is not None]
+    if sum(kinds) > 1:
+        raise ValueError("give at most one of json_schema, json_object, regex, choices, grammar")
+    if json_schema is not None:
+        return pb.ResponseFormat(json_schema=json_schema)
+    if json_object:
+        return pb.ResponseFormat(json_object=True)
+    if regex is not None:
+        return pb.ResponseFormat(regex=regex)
+    if choices:
+        return pb.ResponseFormat(choice=pb.Choice(choices=list(choices)))
+    if grammar is not None:
+        return pb.ResponseFormat(grammar=grammar)
+    return None
+
+
 def make_params(prompt: str | Sequence[int] | Sequence[tuple[str, str]], *, chat: bool = False,
-                sampling: Sampling = Sampling(), request_id: str = "") -> pb.GenerationParams:
+                sampling: Sampling = Sampling(), request_id: str = "",
+                constraint: pb.ResponseFormat | None = None) -> pb.GenerationParams:
     """Build GenerationParams from text, token ids, or (role, content) pairs.
 
-    With ``chat=True`` a text prompt becomes one user message.
+    With ``chat=True`` a text prompt becomes one user message. ``constraint``
+    (see ``response_format``) makes the output structured.
     """
     params = pb.GenerationParams(sampling=sampling.to_proto(), request_id=request_id)
+    if constraint is not None:
+        params.response_format.CopyFrom(constraint)
     if isinstance(prompt, str) and chat:
         params.chat.messages.add(role="user", content=prompt)
     elif isinstance(prompt, str):

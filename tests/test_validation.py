@@ -75,6 +75,24 @@ ERRORS: dict[str, tuple[dict[str, Any], str]] = {
     "stop too long": (sampling(stop=["x" * 257]), "params.sampling.stop[0]"),
     "stop token outside vocab": (sampling(stop_token_ids=[2, VOCAB]), "params.sampling.stop_token_ids[1]"),
     "too many stop tokens": (sampling(stop_token_ids=[2] * 1025), "params.sampling.stop_token_ids"),
+    "min_p negative": (sampling(min_p=-0.1), "params.sampling.min_p"),
+    "min_p above one": (sampling(min_p=1.5), "params.sampling.min_p"),
+    "min_p nan": (sampling(min_p=math.nan), "params.sampling.min_p"),
+    "repetition_penalty zero": (sampling(repetition_penalty=0), "params.sampling.repetition_penalty"),
+    "repetition_penalty huge": (sampling(repetition_penalty=11), "params.sampling.repetition_penalty"),
+    "repetition_penalty inf": (sampling(repetition_penalty=math.inf), "params.sampling.repetition_penalty"),
+    "presence_penalty out of range": (sampling(presence_penalty=2.5), "params.sampling.presence_penalty"),
+    "frequency_penalty out of range": (sampling(frequency_penalty=-2.5), "params.sampling.frequency_penalty"),
+    "frequency_penalty nan": (sampling(frequency_penalty=math.nan), "params.sampling.frequency_penalty"),
+    "logit_bias token outside vocab": (sampling(logit_bias={VOCAB: 1.0}), f"params.sampling.logit_bias[{VOCAB}]"),
+    "logit_bias too large": (sampling(logit_bias={5: 101.0}), "params.sampling.logit_bias[5]"),
+    "logit_bias nan": (sampling(logit_bias={5: math.nan}), "params.sampling.logit_bias[5]"),
+    "logit_bias too many": (sampling(logit_bias={i: 1.0 for i in range(1025)}), "params.sampling.logit_bias"),
+    "min_tokens above max_tokens": (sampling(min_tokens=5, max_tokens=4), "params.sampling.min_tokens"),
+    "top_logprobs above 20": (sampling(top_logprobs=21), "params.sampling.top_logprobs"),
+    "prompt_logprobs above 20": (sampling(prompt_logprobs=21), "params.sampling.prompt_logprobs"),
+    "n zero": (sampling(n=0), "params.sampling.n"),
+    "n above 16": (sampling(n=17), "params.sampling.n"),
     "request id too long": ({"text": "hi", "request_id": "r" * 129}, "params.request_id"),
     "request id control char": ({"text": "hi", "request_id": "a\nb"}, "params.request_id"),
     "request id not ascii": ({"text": "hi", "request_id": "réq"}, "params.request_id"),
@@ -163,6 +181,20 @@ def test_explicit_sampling_is_kept(tok: Any) -> None:
     s = validate(tok, params).sampling
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens) == (0.5, 0.25, VOCAB, 0, 3)
     assert s.stop == ("\n\n", "END") and s.stop_token_ids == frozenset({2, 7}) and s.ignore_eos
+
+
+def test_new_sampling_fields_are_kept_or_defaulted(tok: Any) -> None:
+    s = validate(tok, pb.GenerationParams(**sampling())).sampling
+    assert (s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (0.0, 1.0, 0.0, 0.0)
+    assert (s.logit_bias, s.min_tokens, s.top_logprobs, s.prompt_logprobs, s.n) == ((), 0, 0, None, 1)
+    s = validate(tok, pb.GenerationParams(**sampling(
+        min_p=0.05, repetition_penalty=1.2, presence_penalty=-2, frequency_penalty=2,
+        logit_bias={9: -100.0, 3: 0.5}, min_tokens=3, max_tokens=3, top_logprobs=20, prompt_logprobs=0, n=16,
+    ))).sampling
+    assert math.isclose(s.min_p, 0.05, rel_tol=1e-6) and math.isclose(s.repetition_penalty, 1.2, rel_tol=1e-6)
+    assert (s.presence_penalty, s.frequency_penalty) == (-2.0, 2.0)
+    assert s.logit_bias == ((3, 0.5), (9, -100.0))
+    assert (s.min_tokens, s.top_logprobs, s.prompt_logprobs, s.n) == (3, 20, 0, 16)
 
 
 def test_max_tokens_may_fill_the_context(tok: Any) -> None:
