@@ -7,7 +7,8 @@ Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
   the sampling parameters. A sequence takes a free row when it arrives and
   gives it back when it is freed; a plan's diffs write only the new rows and
   the new block ids. A table that changed is copied to the device once, at
-  the next step.
+  the next step. Penalised sequences also have a row of token counts
+  (``TokenCounts``, on the device), built from the tokens their chunks compute.
 * **Per step, staging**: one int64 buffer with a fixed layout (below). The
   host fills the used prefix of each region from the plan; the whole buffer
   goes to the device in one non-blocking copy. Fixed offsets mean fixed
@@ -31,6 +32,7 @@ Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,7 +40,9 @@ import numpy as np
 import torch
 
 from jitney.worker.attention import AttentionMetadata
-from jitney.worker.sampler import RowGroups, SamplingBatch, random_row_masks, split_seed
+from jitney.worker.plan import NO_PROCESSORS, ProcessorParams
+from jitney.worker.sampler import (LogitsProcessors, RowGroups, SamplingBatch, random_row_masks, split_seed,
+                                   unpack_bitmask)
 
 REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens", "seq_rows",
            "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered", "tile_seq", "tile_idx")
@@ -82,13 +86,66 @@ class StepChunk(NamedTuple):
     plan_index: int     # where the plan lists it: results keep the plan's order
 
 
+class TokenCounts:
+    """Per-row token counts for the penalties, on the device: ``output``
+    (rows, V) int32, each token's occurrences in the output so far, and
+    ``prompt`` (rows, V) bool, the tokens of the prompt.
+
+    Every token a chunk computes is counted (``add``) before the step samples:
+    a sampled token is an input of the sequence's next step, so when a row
+    samples, its counts cover exactly its prompt and its output so far. A
+    preempted sequence comes back as a new one and is recomputed: its row,
+    zeroed when it takes it, is rebuilt from the recompute's chunks.
+
+    Memory: 256 seats x 49152 tokens is 50 MB of int32 and 12.5 MB of bool.
+    Allocated at the first penalised sequence, not at start-up: most servers
+    never see one (on CUDA the cache is sized before, and the 10% of the card
+    the sizing leaves free absorbs it). Only penalised rows are ever zeroed,
+    written or read, so the steps of other sequences never touch it.
+    """
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
+        self.shape, self.device = (max_num_seqs, vocab_size), device
+        self.output: torch.Tensor | None = None
+        self.prompt: torch.Tensor | None = None
+
+    def reset(self, row: int) -> None:
+        """Zero ``row`` for a new sequence (allocating the counts the first time)."""
+        if self.output is None or self.prompt is None:
+            self.output = torch.zeros(self.shape, dtype=torch.int32, device=self.device)
+            self.prompt = torch.zeros(self.shape, dtype=torch.bool, device=self.device)
+            return
+        self.output[row].zero_()
+        self.prompt[row].zero_()
+
+    def add(self, output_rows: torch.Tensor, output_ids: torch.Tensor,
+            prompt_rows: torch.Tensor, prompt_ids: torch.Tensor) -> None:
+        """Count output tokens (rows, ids) and mark prompt tokens, (N,) int64 each."""
+        assert self.output is not None and self.prompt is not None
+        if output_rows.numel():
+            ones = torch.ones(output_rows.shape, dtype=torch.int32, device=self.device)
+            self.output.index_put_((output_rows, output_ids), ones, accumulate=True)
+        if prompt_rows.numel():
+            self.prompt[prompt_rows, prompt_ids] = True
+
+
+def _device_ints(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Host int64 arrays -> device tensors, in one copy (none on the CPU)."""
+    sizes = [len(a) for a in arrays]
+    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
+    return list(flat.to(device).split(sizes))
+
+
 @dataclass(frozen=True)
 class StagedStep:
     """Host facts about a step whose inputs are staged (and on their way to the device).
 
     ``padded_seqs`` >= ``num_seqs``: rows past the real ones are padding for
     a captured decode graph of that many rows (one token each, no cache
-    write, no keys).
+    write, no keys). Per sampled row (plan order): its persistent row, the
+    position of the token it samples and its top_logprobs count.
+    ``processed``: some sampled row has a penalty, a bias or a min_tokens
+    ban (masks come later); ``uses_min_p``: some random row has min-p.
     """
 
     num_tokens: int
@@ -100,6 +157,11 @@ class StagedStep:
     sampled_seq_ids: list[int]         # (S,) plan order
     num_plain: int
     num_filtered: int
+    sampled_rows: np.ndarray
+    sample_positions: np.ndarray
+    top_n: np.ndarray
+    processed: bool = False
+    uses_min_p: bool = False
 
     @property
     def num_sampled(self) -> int:
@@ -110,7 +172,7 @@ class InputBatch:
     """Persistent per-sequence rows and the step's staging buffer."""
 
     def __init__(self, *, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, tile_block_q: int = 0) -> None:
+                 block_size: int, device: torch.device, tile_block_q: int = 0, vocab_size: int = 0) -> None:
         self.device, self.block_size = device, block_size
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         pin = device.type == "cuda"
@@ -121,12 +183,19 @@ class InputBatch:
         self._table = self._host_table.numpy()
         self.block_table = self._host_table if not pin else torch.zeros_like(self._host_table, device=device)
         self._table_dirty = False
-        # Sampling parameters per row: temperature, top_p (float32); top_k, seed lo/hi (int64).
-        self._host_fparams = torch.zeros((2, max_num_seqs), dtype=torch.float32, pin_memory=pin)
+        # Sampling parameters per row: temperature, top_p, min_p, repetition, presence and
+        # frequency penalties (float32); top_k, seed lo/hi (int64).
+        self._host_fparams = torch.zeros((6, max_num_seqs), dtype=torch.float32, pin_memory=pin)
         self._host_iparams = torch.zeros((3, max_num_seqs), dtype=torch.int64, pin_memory=pin)
         self.fparams = self._host_fparams if not pin else torch.zeros_like(self._host_fparams, device=device)
         self.iparams = self._host_iparams if not pin else torch.zeros_like(self._host_iparams, device=device)
         self._params_dirty = False
+        # The rest of each row's parameters, host-side: the per-step index building reads them.
+        self.vocab_size = vocab_size
+        self._params: list[ProcessorParams] = [NO_PROCESSORS] * max_num_seqs
+        self._penalised = np.zeros(max_num_seqs, dtype=bool)
+        self._extras = np.zeros(max_num_seqs, dtype=bool)   # params beyond the defaults
+        self.counts = TokenCounts(max_num_seqs, vocab_size, device)
         # Tile maps (query tokens per tile: tile_block_q) have room for every tile of a full step.
         self.tile_block_q = tile_block_q
         self.max_tiles = -(-max_num_tokens // tile_block_q) + max_num_seqs if tile_block_q else 0
@@ -139,19 +208,29 @@ class InputBatch:
 
     # -- persistent rows -----------------------------------------------------
 
-    def add(self, seq_id: int, temperature: float, top_p: float, top_k: int, seed: int) -> None:
+    def add(self, seq_id: int, temperature: float, top_p: float, top_k: int, seed: int,
+            params: ProcessorParams = NO_PROCESSORS) -> None:
         """Give a new sequence a row (the plan was validated: a row is free)."""
         self._wait_for_copies()
         row = self._free_rows.pop()
         self.rows[seq_id] = row
         self._num_blocks[row] = 0
-        self._host_fparams[:, row] = torch.tensor([temperature, top_p])
+        self._host_fparams[:, row] = torch.tensor([temperature, top_p, params.min_p, params.repetition_penalty,
+                                                   params.presence_penalty, params.frequency_penalty])
         lo, hi = split_seed(seed)
         self._host_iparams[:, row] = torch.tensor([top_k, lo, hi])
         self._params_dirty = True
+        self._params[row] = params
+        self._penalised[row] = params.penalised
+        self._extras[row] = params != NO_PROCESSORS
+        if params.penalised:
+            self.counts.reset(row)
 
     def remove(self, seq_id: int) -> None:
-        self._free_rows.append(self.rows.pop(seq_id))
+        row = self.rows.pop(seq_id)
+        self._params[row] = NO_PROCESSORS
+        self._penalised[row] = self._extras[row] = False
+        self._free_rows.append(row)
 
     def extend_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         """Append a sequence's new blocks to its row."""
@@ -219,10 +298,41 @@ class InputBatch:
         self._fill("plain", plain)
         self._fill("filtered", filtered)
         self._copy_to_device()
+        if self._penalised[rows].any():
+            self._count_tokens(chunks, rows)
         ones = qlens == 1
         num_decodes = n if ones.all() else int(np.argmin(ones))
-        return StagedStep(num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
-                          [chunks[i].seq_id for i in sampled], len(plain), len(filtered))
+        sampled_rows, positions = rows[sampled], seq_lens[sampled]
+        top_n, processed, uses_min_p = np.zeros(len(sampled), dtype=np.int64), False, False
+        if self._extras[sampled_rows].any():   # else: no row has anything beyond the basics
+            params = [self._params[r] for r in sampled_rows]
+            top_n[:] = [p.top_logprobs for p in params]
+            processed = any(p.penalised or p.logit_bias_ids or p.bans_at(int(pos))
+                            for p, pos in zip(params, positions))
+            random = sampled_rows[np.concatenate((plain, filtered))]
+            uses_min_p = bool((self._host_fparams.numpy()[2, random] > 0).any())
+        return StagedStep(
+            num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
+            [chunks[i].seq_id for i in sampled], len(plain), len(filtered),
+            sampled_rows=sampled_rows, sample_positions=positions, top_n=top_n,
+            processed=processed, uses_min_p=uses_min_p,
+        )
+
+    def _count_tokens(self, chunks: list[StepChunk], rows: np.ndarray) -> None:
+        """Count the tokens of the step's penalised chunks into their rows
+        (``TokenCounts``): the prompt's part and the output's part."""
+        out_rows, out_ids, prompt_rows, prompt_ids = [], [], [], []
+        for chunk, row in zip(chunks, rows):
+            if not self._penalised[row]:
+                continue
+            # Positions start.. : those before num_prompt_tokens are the prompt.
+            split = min(max(self._params[row].num_prompt_tokens - chunk.start, 0), len(chunk.tokens))
+            prompt_ids += chunk.tokens[:split]
+            prompt_rows += [row] * split
+            out_ids += chunk.tokens[split:]
+            out_rows += [row] * (len(chunk.tokens) - split)
+        self.counts.add(*_device_ints(self.device, np.asarray(out_rows), np.asarray(out_ids),
+                                      np.asarray(prompt_rows), np.asarray(prompt_ids)))
 
     def _fill_tiles(self, qlens: np.ndarray) -> None:
         """The tile map of the step's sequences, padded to the region's end."""
@@ -263,15 +373,59 @@ class InputBatch:
         f = self.fparams.index_select(1, rows)
         i = self.iparams.index_select(1, rows)
         params = SamplingBatch(temperature=f[0], top_p=f[1], top_k=i[0], seed_lo=i[1], seed_hi=i[2],
-                               position=self.region("sample_pos", s))
+                               position=self.region("sample_pos", s), min_p=f[2] if step.uses_min_p else None)
         # CUDA sorts filtered rows fully (no sync); the CPU tries the top candidates first.
         groups = RowGroups(self.region("plain", step.num_plain), self.region("filtered", step.num_filtered),
                            full_sort=self.device.type == "cuda")
         return self.region("sample_tokens", s), params, groups
 
+    def processors(self, step: StagedStep, masks: tuple[np.ndarray, np.ndarray] | None = None
+                   ) -> LogitsProcessors | None:
+        """The step's logits processors, or None when no sampled row has any.
+
+        ``masks``: the sampled rows (indices into the step's S) that are
+        constrained, and their bitmasks (M, ceil(V / 32)) int32, every row
+        allowing some token. Where a mask allows only tokens that min_tokens
+        bans, the grammar wins: that row's ban is dropped for this step (the
+        grammar can only end there).
+        """
+        if not step.processed and masks is None:
+            return None
+        params = [self._params[r] for r in step.sampled_rows]
+        pen = np.array([i for i, p in enumerate(params) if p.penalised], dtype=np.int64)
+        bias_rows = _ints(np.repeat(np.arange(len(params)), [len(p.logit_bias_ids) for p in params]))
+        bias_ids = _ints(t for p in params for t in p.logit_bias_ids)
+        bias_values = np.array([v for p in params for v in p.logit_bias_values], dtype=np.float32)
+        banning = {i: _ints(p.min_tokens_banned_ids) for i, (p, pos) in enumerate(zip(params, step.sample_positions))
+                   if p.bans_at(int(pos))}
+        mask_rows = np.zeros(0, dtype=np.int64)
+        if masks is not None:
+            mask_rows, words = masks
+            for row, word in zip(mask_rows.tolist(), words):
+                if row in banning and _allows_only(word, banning[row]):
+                    del banning[row]
+        ban_rows = _ints(i for i, ids in banning.items() for _ in ids)
+        ban_ids = _ints(t for ids in banning.values() for t in ids)
+        pen_d, pen_rows_d, bias_rows_d, bias_ids_d, ban_rows_d, ban_ids_d, mask_rows_d = _device_ints(
+            self.device, pen, step.sampled_rows[pen], bias_rows, bias_ids, ban_rows, ban_ids, mask_rows)
+        penalties = None
+        if len(pen):
+            counts = self.counts
+            assert counts.output is not None and counts.prompt is not None
+            f = self.fparams.index_select(1, pen_rows_d)
+            penalties = (pen_d, counts.output.index_select(0, pen_rows_d), counts.prompt.index_select(0, pen_rows_d),
+                         f[3], f[4], f[5])
+        bias = (bias_rows_d, bias_ids_d, torch.from_numpy(bias_values).to(self.device)) if len(bias_ids) else None
+        mask = None
+        if masks is not None:
+            words_d = torch.from_numpy(np.ascontiguousarray(masks[1], dtype=np.int32)).to(self.device)
+            mask = (mask_rows_d, unpack_bitmask(words_d, self.vocab_size))
+        return LogitsProcessors(penalties=penalties, bias=bias,
+                                ban=(ban_rows_d, ban_ids_d) if len(ban_ids) else None, mask=mask)
+
     def _row_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sampled rows (indices into ``rows``) that sample randomly, plain and filtered."""
-        temperature, top_p = self._host_fparams.numpy()[:, rows]
+        temperature, top_p = self._host_fparams.numpy()[:2, rows]
         top_k = self._host_iparams.numpy()[0, rows]
         plain, filtered = random_row_masks(temperature, top_p, top_k)
         return np.flatnonzero(plain), np.flatnonzero(filtered)
@@ -300,3 +454,14 @@ class InputBatch:
         block = self.block_table[token_rows.clamp(min=0), positions // self.block_size]
         slots = block.to(torch.int64) * self.block_size + positions % self.block_size
         return slots.masked_fill_(token_rows < 0, -1)
+
+
+def _ints(values: Iterable[int] | np.ndarray) -> np.ndarray:
+    """An int64 array (possibly empty) from any iterable of ints."""
+    return np.fromiter(values, dtype=np.int64)
+
+
+def _allows_only(words: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether a bitmask row (ceil(V / 32) int32, padding bits clear) allows no token outside ``ids``."""
+    allowed = int(np.unpackbits(words.view(np.uint8)).sum())
+    return allowed == int(((words[ids >> 5] >> (ids & 31)) & 1).sum())

@@ -5,6 +5,11 @@ PULL socket to ``plan_addr`` and a PUSH socket to ``result_addr``; it sends
 ``WorkerMessage(ready)`` once the model and cache are up, then answers each
 ``SchedulerMessage(plan)`` with a ``StepResult`` or a ``StepError``, until
 ``Shutdown`` or SIGTERM. Messages are protobuf bytes, never pickle.
+
+A plan with masked chunks waits, after its forward, for the ``StepMasks`` of
+its step on the same socket: plans that arrive meanwhile are queued and run
+after it, in order; a Shutdown ends the worker; masks of a step that never
+waited for them (its plan was refused or failed first) are dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -26,7 +32,7 @@ from google.protobuf.message import DecodeError
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.config import WorkerConfig, add_worker_arguments
 from jitney.worker.plan import PlanError
-from jitney.worker.runner import ModelRunner
+from jitney.worker.runner import MaskError, ModelRunner
 
 logger = logging.getLogger("jitney.worker")
 
@@ -42,6 +48,10 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 class _Terminated(Exception):
     """Raised from the SIGTERM handler to unwind the loop cleanly."""
+
+
+class _ShutdownRequested(Exception):
+    """A Shutdown arrived while a step waited for its masks: unwinds the step, then the loop."""
 
 
 @contextmanager
@@ -90,38 +100,103 @@ def run_worker(config: WorkerConfig) -> int:
         context.term()
 
 
-def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # type: ignore[type-arg]
-    heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=os.getpid()))
-    while True:
-        if not pull.poll(int(HEARTBEAT_SECONDS * 1000)):
-            _send(push, heartbeat)
-            continue
-        data = pull.recv()
+class _Inbox:
+    """The PULL socket, and the plans that arrived while a step waited for its masks."""
+
+    def __init__(self, pull: zmq.Socket, push: zmq.Socket) -> None:  # type: ignore[type-arg]
+        self.pull, self.push = pull, push
+        self.queued: deque[tuple[engine_pb2.StepPlan, float]] = deque()   # (plan, time received)
+        # Steps that ended without reading their masks: those masks are dropped when they come.
+        self.unread_masks: set[int] = set()
+        self.masks_read: int | None = None   # step id of the last masks handed to a step
+        self.heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=os.getpid()))
+
+    def receive(self) -> tuple[engine_pb2.SchedulerMessage, float] | None:
+        """The next message and when it came; None after a heartbeat's silence
+        (a heartbeat is sent) or an undecodable frame (answered with an error)."""
+        if not self.pull.poll(int(HEARTBEAT_SECONDS * 1000)):
+            _send(self.push, self.heartbeat)
+            return None
+        data = self.pull.recv()
         received = time.perf_counter()
         try:
-            message = engine_pb2.SchedulerMessage.FromString(data)
+            return engine_pb2.SchedulerMessage.FromString(data), received
         except DecodeError as err:
-            _send_error(push, 0, f"undecodable scheduler message: {err}")
-            continue
-        kind = message.WhichOneof("kind")
-        if kind == "shutdown":
-            logger.info("shutdown requested")
+            _send_error(self.push, 0, f"undecodable scheduler message: {err}")
+            return None
+
+    def wait_for_masks(self, step_id: int) -> engine_pb2.StepMasks:
+        """The next masks a step can use (``runner.MaskSource``; the runner checks
+        their step id). Plans are queued meanwhile; a Shutdown raises ``_ShutdownRequested``."""
+        while True:
+            got = self.receive()
+            if got is None:
+                continue
+            message, received = got
+            kind = message.WhichOneof("kind")
+            if kind == "plan":
+                self.queued.append((message.plan, received))
+            elif kind == "shutdown":
+                raise _ShutdownRequested()
+            elif kind == "masks" and message.masks.step_id in self.unread_masks:
+                self.unread_masks.discard(message.masks.step_id)   # stale: its step is over
+            elif kind == "masks":
+                self.masks_read = message.masks.step_id
+                return message.masks
+            else:
+                _send_error(self.push, 0, f"scheduler message without a known kind ({kind})")
+
+    def drop_masks(self, masks: engine_pb2.StepMasks) -> None:
+        """Masks that came while no step waited for any."""
+        if masks.step_id in self.unread_masks:
+            self.unread_masks.discard(masks.step_id)
+        else:
+            logger.warning("masks for step %d, which does not wait for any: dropped", masks.step_id)
+
+
+def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # type: ignore[type-arg]
+    inbox = _Inbox(pull, push)
+    while True:
+        if inbox.queued:
+            plan, received = inbox.queued.popleft()
+        else:
+            got = inbox.receive()
+            if got is None:
+                continue
+            message, received = got
+            kind = message.WhichOneof("kind")
+            if kind == "shutdown":
+                logger.info("shutdown requested")
+                return 0
+            if kind == "masks":
+                inbox.drop_masks(message.masks)
+                continue
+            if kind != "plan":
+                _send_error(push, 0, f"scheduler message without a known kind ({kind})")
+                continue
+            plan = message.plan
+        inbox.masks_read = None
+        try:
+            reply = _execute(runner, plan, inbox.wait_for_masks)
+        except _ShutdownRequested:
+            logger.info("shutdown requested while step %d waited for its masks", plan.step_id)
             return 0
-        if kind != "plan":
-            _send_error(push, 0, f"scheduler message without a known kind ({kind})")
-            continue
-        reply = _execute(runner, message.plan)
+        if any(c.masked for c in plan.chunks) and inbox.masks_read != plan.step_id:
+            inbox.unread_masks.add(plan.step_id)   # refused, or failed before its masks were read
         if reply.HasField("result"):
             reply.result.worker_seconds = time.perf_counter() - received
         _send(push, reply)
 
 
-def _execute(runner: ModelRunner, plan: engine_pb2.StepPlan) -> engine_pb2.WorkerMessage:
+def _execute(runner: ModelRunner, plan: engine_pb2.StepPlan,
+             wait_for_masks: Callable[[int], engine_pb2.StepMasks] | None = None) -> engine_pb2.WorkerMessage:
     try:
-        return engine_pb2.WorkerMessage(result=runner.execute(plan))
+        return engine_pb2.WorkerMessage(result=runner.execute(plan, wait_for_masks))
     except PlanError as err:
         return _error(plan.step_id, f"bad plan: {err}")
-    except _Terminated:
+    except MaskError as err:
+        return _error(plan.step_id, f"bad masks: {err}")
+    except (_Terminated, _ShutdownRequested):
         raise
     except Exception as err:  # a worker bug: report it, keep serving
         logger.exception("step %d failed", plan.step_id)

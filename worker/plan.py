@@ -29,6 +29,37 @@ class PlanLimits:
     max_num_seqs: int
 
 
+@dataclass(frozen=True)
+class ProcessorParams:
+    """A sequence's sampling parameters beyond temperature, top-p, top-k and
+    seed (see ``sampler.py`` for what each does): the logits processors,
+    min-p, and the logprobs it asks for. The defaults change nothing."""
+
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+    min_tokens: int = 0
+    min_tokens_banned_ids: tuple[int, ...] = ()   # sorted, unique
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None    # None: none asked for; else the alternatives per position
+    num_prompt_tokens: int = 0            # positions before this are the prompt
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the sequence needs token counts (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def bans_at(self, position: int) -> bool:
+        """Whether min_tokens bans its ids for the token sampled at ``position``."""
+        return bool(self.min_tokens_banned_ids) and position - self.num_prompt_tokens < self.min_tokens
+
+
+NO_PROCESSORS = ProcessorParams()
+
+
 @dataclass
 class SequenceState:
     """What the worker remembers about one sequence between steps."""
@@ -39,6 +70,10 @@ class SequenceState:
     seed: int
     block_table: list[int] = field(default_factory=list)
     last_sampled: int | None = None   # the token sampled in this sequence's latest step
+    params: ProcessorParams = NO_PROCESSORS
+    # Positions computed so far (the next chunk's start when none are skipped);
+    # penalties and prompt logprobs need every position from 0.
+    num_computed: int = 0
 
 
 def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> list[int]:
@@ -51,7 +86,8 @@ def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> list
 
 
 def sequence_state(seq: engine_pb2.NewSequence) -> SequenceState:
-    """Fresh state for a new sequence, its sampling parameters checked."""
+    """Fresh state for a new sequence, its sampling parameters checked (those
+    that need the model's limits are checked by ``check_sampling_limits``)."""
     s = seq.sampling
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise PlanError(f"seq {seq.seq_id}: temperature must be finite and >= 0, got {s.temperature}")
@@ -59,23 +95,79 @@ def sequence_state(seq: engine_pb2.NewSequence) -> SequenceState:
     top_p = 1.0 if s.top_p == 0 else s.top_p
     if not (0 < top_p <= 1):
         raise PlanError(f"seq {seq.seq_id}: top_p must be in (0, 1], got {s.top_p}")
-    return SequenceState(temperature=s.temperature, top_p=top_p, top_k=s.top_k, seed=s.seed)
+    return SequenceState(temperature=s.temperature, top_p=top_p, top_k=s.top_k, seed=s.seed,
+                         params=processor_params(seq))
+
+
+def processor_params(seq: engine_pb2.NewSequence) -> ProcessorParams:
+    """The sequence's ``ProcessorParams``, checked for nonsense (``PlanError``)."""
+    s, sid = seq.sampling, seq.seq_id
+    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
+        raise PlanError(f"seq {sid}: min_p must be in [0, 1], got {s.min_p}")
+    # 0 on the wire is "unset": no repetition penalty (1).
+    repetition = 1.0 if s.repetition_penalty == 0 else s.repetition_penalty
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise PlanError(f"seq {sid}: repetition_penalty must be finite and > 0, got {s.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(s, name)):
+            raise PlanError(f"seq {sid}: {name} must be finite, got {getattr(s, name)}")
+    bias_ids, bias_values = tuple(s.logit_bias_ids), tuple(s.logit_bias_values)
+    if len(bias_ids) != len(bias_values):
+        raise PlanError(f"seq {sid}: {len(bias_ids)} logit_bias ids but {len(bias_values)} values")
+    if len(set(bias_ids)) != len(bias_ids):
+        raise PlanError(f"seq {sid}: a logit_bias token id is given twice")
+    if not all(math.isfinite(v) for v in bias_values):
+        raise PlanError(f"seq {sid}: logit_bias values must be finite")
+    params = ProcessorParams(
+        min_p=s.min_p, repetition_penalty=repetition, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
+        min_tokens=s.min_tokens, min_tokens_banned_ids=tuple(sorted(set(s.min_tokens_banned_ids))),
+        top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        num_prompt_tokens=s.num_prompt_tokens,
+    )
+    # These count from the end of the prompt: a sequence using them must say where it is.
+    uses_prompt_end = (params.presence_penalty or params.frequency_penalty or params.min_tokens
+                       or params.prompt_logprobs is not None)
+    if uses_prompt_end and params.num_prompt_tokens < 1:
+        raise PlanError(f"seq {sid}: num_prompt_tokens must be set (>= 1) with presence/frequency penalties, "
+                        "min_tokens or prompt_logprobs")
+    return params if params != NO_PROCESSORS else NO_PROCESSORS
+
+
+def check_sampling_limits(seq: engine_pb2.NewSequence, params: ProcessorParams, limits: PlanLimits) -> None:
+    """The parameters that must fit the model: token ids, logprob counts, the prompt's length."""
+    sid, vocab = seq.seq_id, limits.vocab_size
+    for name, ids in (("logit_bias", params.logit_bias_ids), ("min_tokens_banned_ids", params.min_tokens_banned_ids)):
+        if ids and max(ids) >= vocab:
+            raise PlanError(f"seq {sid}: {name} token id {max(ids)} outside vocab of {vocab}")
+    if params.min_tokens and len(params.min_tokens_banned_ids) >= vocab:
+        raise PlanError(f"seq {sid}: min_tokens bans every token of the vocabulary")
+    for name, n in (("top_logprobs", params.top_logprobs), ("prompt_logprobs", params.prompt_logprobs or 0)):
+        if n > vocab:
+            raise PlanError(f"seq {sid}: {name} {n} exceeds the vocab of {vocab}")
+    if params.num_prompt_tokens > limits.context_length:
+        raise PlanError(f"seq {sid}: num_prompt_tokens {params.num_prompt_tokens} exceeds "
+                        f"the context length {limits.context_length}")
 
 
 def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState], limits: PlanLimits) -> None:
     """Raise ``PlanError`` if ``plan`` cannot be applied to ``seqs``."""
     prefix = f"step {plan.step_id}: "
     try:
-        table_lens = _check_diffs(plan, seqs)
+        table_lens, params = _check_diffs(plan, seqs, limits)
         if len(table_lens) > limits.max_num_seqs:
             raise PlanError(f"{len(table_lens)} live sequences exceed max_num_seqs {limits.max_num_seqs}")
         _check_chunks(plan, table_lens, limits, seqs)
+        _check_history(plan, seqs, params)
     except PlanError as err:
         raise PlanError(prefix + str(err)) from None
 
 
-def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState]) -> dict[int, int]:
-    """Check freed and new sequences; return the block-table length of each live one."""
+def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
+                 limits: PlanLimits) -> tuple[dict[int, int], dict[int, ProcessorParams]]:
+    """Check freed and new sequences; return the block-table length of each
+    live one, and the parameters of the new ones."""
     freed = list(plan.freed_seq_ids)
     if len(set(freed)) != len(freed):
         raise PlanError("a seq_id is freed twice")
@@ -84,12 +176,14 @@ def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState]) -
         raise PlanError(f"freed unknown seq_id {unknown[0]}")
     gone = set(freed)
     table_lens = {sid: len(state.block_table) for sid, state in seqs.items() if sid not in gone}
+    params = {}
     for new in plan.new_sequences:
         if new.seq_id in table_lens:
             raise PlanError(f"new sequence {new.seq_id} is already known")
-        sequence_state(new)  # raises on bad sampling parameters
+        params[new.seq_id] = sequence_state(new).params  # raises on bad sampling parameters
+        check_sampling_limits(new, params[new.seq_id], limits)
         table_lens[new.seq_id] = 0
-    return table_lens
+    return table_lens, params
 
 
 def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits: PlanLimits,
@@ -98,6 +192,8 @@ def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits:
         raise PlanError(f"{len(plan.chunks)} chunks exceed max_num_seqs {limits.max_num_seqs}")
     new_ids = {n.seq_id for n in plan.new_sequences}
     for chunk in plan.chunks:
+        if chunk.masked and not chunk.sample:
+            raise PlanError(f"seq {chunk.seq_id}: a masked chunk must sample")
         if chunk.last_token_from_sample and (
                 chunk.seq_id in new_ids or chunk.seq_id not in seqs
                 or seqs[chunk.seq_id].last_sampled is None):
@@ -133,6 +229,20 @@ def _check_chunk(chunk: engine_pb2.ScheduledChunk, table_len: int, limits: PlanL
         raise PlanError(f"seq {sid}: positions up to {end} exceed its block table capacity {capacity}")
 
 
+def _check_history(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
+                   new_params: dict[int, ProcessorParams]) -> None:
+    """Prompt logprobs score every prompt token from the one before it: such a
+    sequence's chunks must follow each other from position 0 (the scheduler
+    reads no cached prefix for it)."""
+    for chunk in plan.chunks:
+        sid = chunk.seq_id
+        params = new_params[sid] if sid in new_params else seqs[sid].params
+        expected = 0 if sid in new_params else seqs[sid].num_computed
+        if params.prompt_logprobs is not None and chunk.start_position != expected:
+            raise PlanError(f"seq {sid}: prompt_logprobs need every position; its chunk starts at "
+                            f"{chunk.start_position}, after {expected} computed")
+
+
 def apply_plan_diffs(plan: engine_pb2.StepPlan, seqs: dict[int, SequenceState]) -> None:
     """Free, add, and extend block tables, in the plan's order (plan checked)."""
     for sid in plan.freed_seq_ids:
@@ -140,4 +250,6 @@ def apply_plan_diffs(plan: engine_pb2.StepPlan, seqs: dict[int, SequenceState]) 
     for new in plan.new_sequences:
         seqs[new.seq_id] = sequence_state(new)
     for chunk in plan.chunks:
-        seqs[chunk.seq_id].block_table.extend(chunk.new_block_ids)
+        state = seqs[chunk.seq_id]
+        state.block_table.extend(chunk.new_block_ids)
+        state.num_computed = chunk.start_position + len(chunk.token_ids) + chunk.last_token_from_sample

@@ -5,7 +5,16 @@ to the per-sequence state and the persistent batch (``input_batch.py``),
 stages the step's inputs in one host-to-device copy, runs one forward over
 the flattened tokens of all chunks (a captured CUDA graph for decode-only
 steps on CUDA), and samples where the plan asks. The step's one host sync
-is the copy of the sampled ids and logprobs.
+is the copy of the sampled ids and logprobs (with their top logprobs).
+
+Constrained steps: a plan with masked chunks is given a ``wait_for_masks``
+callable; the runner launches the forward, then calls it with the step id
+and applies the returned ``StepMasks`` (the scheduler computes them while
+the forward runs). Prompt logprobs: for sequences that ask, the logits of
+every prompt position of their chunks are computed too (after the sample)
+and each prompt token is scored under the distribution before it; the
+log-softmax row after a chunk's last prompt position is kept to score the
+next chunk's first token.
 """
 
 from __future__ import annotations
@@ -13,7 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from jitney.engine.v1 import engine_pb2
@@ -25,11 +37,42 @@ from jitney.worker.device import dtype_name, resolve_batch_invariant, resolve_de
 from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
-from jitney.worker.plan import PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
-from jitney.worker.sampler import pack_results, sample
+from jitney.worker.plan import PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
+from jitney.worker.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.warmup import profile_activations, warm_up
 
 logger = logging.getLogger("jitney.worker")
+
+# Given a step id, blocks until that step's StepMasks arrive and returns them.
+MaskSource = Callable[[int], engine_pb2.StepMasks]
+
+
+class MaskError(RuntimeError):
+    """The masks of a step do not fit it (another step id, other sequences, a
+    wrong size, or a mask that allows no token): a scheduler bug; the step fails."""
+
+
+@dataclass(frozen=True)
+class _PromptChunk:
+    """A chunk whose prompt tokens are scored (``prompt_logprobs``).
+
+    Logits are needed at positions ``[start, start + num_logits)`` (each
+    scores the next token, or is kept for the next chunk); the tokens at
+    ``[first_scored, end_scored)`` are scored, the first from the kept row
+    of the chunk before when ``carry_in``.
+    """
+
+    seq_id: int
+    plan_index: int
+    start: int
+    tokens: list[int]
+    flat_start: int          # index of the chunk's first token in the step's flattened tokens
+    num_logits: int
+    first_scored: int
+    end_scored: int
+    alternatives: int
+    carry_in: bool
+    keeps: bool              # the row after its last position scores the next chunk's first token
 
 
 class ModelRunner:
@@ -65,10 +108,12 @@ class ModelRunner:
                                  context_length=self.facts.context_length, vocab_size=self.facts.vocab_size,
                                  max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs)
         self.sequences: dict[int, SequenceState] = {}
+        # Per sequence with prompt_logprobs: the log-softmax row (V,) after its last computed prompt position.
+        self._prompt_carry: dict[int, torch.Tensor] = {}
         graph_safe = self.model.backend.graph_safe
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
                                 max_blocks_per_seq=-(-self.facts.context_length // config.block_size),
-                                block_size=config.block_size, device=self.device,
+                                block_size=config.block_size, device=self.device, vocab_size=self.facts.vocab_size,
                                 tile_block_q=prefill_block_q(cfg.num_heads, cfg.num_kv_heads) if graph_safe else 0)
         if capture_graphs is None:
             capture_graphs = self.device.type == "cuda" and graph_safe
@@ -105,25 +150,42 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
-        """Run one step. Raises ``PlanError`` (state untouched) on a bad plan."""
+    def execute(self, plan: engine_pb2.StepPlan, wait_for_masks: MaskSource | None = None) -> engine_pb2.StepResult:
+        """Run one step. Raises ``PlanError`` (state untouched) on a bad plan,
+        ``MaskError`` on masks that do not fit it.
+
+        ``wait_for_masks``: needed by a plan with masked chunks; called once,
+        with the step id, after the forward was launched (see ``MaskSource``).
+        """
         validate_plan(plan, self.sequences, self.limits)
+        masked = [c.seq_id for c in plan.chunks if c.masked]
+        if masked and wait_for_masks is None:
+            raise PlanError(f"step {plan.step_id}: masked chunks, but no masks to wait for")
         self._apply(plan)
         result = engine_pb2.StepResult(step_id=plan.step_id)
         if plan.chunks:
-            self._run(self._chunks(plan), result)
+            masking = (plan.step_id, masked, wait_for_masks) if masked and wait_for_masks is not None else None
+            self._run(self._chunks(plan), result, masking)
         return result
 
     def _apply(self, plan: engine_pb2.StepPlan) -> None:
         """The plan's diffs, to the sequence states and to the persistent batch's rows."""
+        new_ids = {n.seq_id for n in plan.new_sequences}
+        computed = {c.seq_id: 0 if c.seq_id in new_ids else self.sequences[c.seq_id].num_computed
+                    for c in plan.chunks}
         apply_plan_diffs(plan, self.sequences)
         for sid in plan.freed_seq_ids:
             self.batch.remove(sid)
+            self._prompt_carry.pop(sid, None)
         for new in plan.new_sequences:
             s = self.sequences[new.seq_id]
-            self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed)
+            self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
         for chunk in plan.chunks:
             self.batch.extend_blocks(chunk.seq_id, list(chunk.new_block_ids))
+            if chunk.start_position != computed[chunk.seq_id] and self.sequences[chunk.seq_id].params.penalised:
+                # Counts are built from the tokens the worker computes: those before are not seen.
+                logger.warning("seq %d: penalties do not count the %d positions before %d (a cached prefix?)",
+                               chunk.seq_id, chunk.start_position - computed[chunk.seq_id], chunk.start_position)
 
     def _chunks(self, plan: engine_pb2.StepPlan) -> list[StepChunk]:
         """The plan's chunks, decodes first and shortest context first (the CPU
@@ -134,9 +196,12 @@ class ModelRunner:
         chunks.sort(key=_decodes_first)
         return chunks
 
-    def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult) -> None:
+    def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult,
+             masking: tuple[int, list[int], MaskSource] | None = None) -> None:
         graphs = self.graphs
-        size = graphs.size_for(chunks) if graphs is not None else None
+        prompt = self._prompt_chunks(chunks)
+        # Prompt logprobs need the hidden states, which a decode graph does not return.
+        size = graphs.size_for(chunks) if graphs is not None and not prompt else None
         bucket = graphs.mixed_bucket(sum(len(c.tokens) for c in chunks)) if graphs is not None and size is None else None
         if bucket is not None:
             step = self.batch.stage(chunks, pad_seqs_to=self.batch.max_num_seqs, pad_tokens_to=bucket)
@@ -145,30 +210,36 @@ class ModelRunner:
         # Attention metadata (and the CPU backend's plan) before the model's clock starts.
         meta = self.model.backend.prepare(self.batch.step_metadata(step)) if size is None and bucket is None else None
         timer = _ModelTimer(self.device)
-        if graphs is not None and size is not None and step.num_plain == step.num_filtered == 0:
-            _, greedy = graphs.logits(size)   # every row greedy: the graph's own choice is the result
+        plain_greedy = (step.num_plain == step.num_filtered == 0 and not step.processed
+                        and not step.top_n.any() and masking is None)
+        if graphs is not None and size is not None and plain_greedy:
+            _, greedy = graphs.logits(size)   # every row greedy, unprocessed: the graph's own choice is the result
             timer.stop()
             sampled = self.batch.region("sample_tokens", step.num_sampled)
             tokens, logprobs = _unpack(greedy.index_select(1, sampled).cpu())
+            self._record(step.sampled_seq_ids, tokens, logprobs, result)
         else:
-            logits = self._logits(step, size, bucket, meta)
+            hidden, logits = self._logits(step, size, bucket, meta)
             timer.stop()
-            if logits is None:   # nothing samples: no other sync
+            if logits is not None:
+                masks = self._read_masks(step, *masking) if masking is not None else None
+                self._sample(step, logits, masks, result)
+            else:   # nothing samples: no other sync
                 timer.sync()
-                result.model_seconds = timer.seconds()
-                return
-            tokens, logprobs = self._sample(step, logits)
+            if prompt:
+                assert hidden is not None
+                self._prompt_logprobs(hidden, prompt, result)
         result.model_seconds = timer.seconds()
-        self._record(step.sampled_seq_ids, tokens, logprobs, result)
 
     def _logits(self, step: StagedStep, size: int | None, bucket: int | None,
-                meta: AttentionMetadata | None) -> torch.Tensor | None:
-        """Forward (a decode graph, a mixed graph, or eagerly) -> float32 logits of the sampled rows."""
+                meta: AttentionMetadata | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Forward (a decode graph, a mixed graph, or eagerly) -> the hidden states
+        (None from a decode graph) and the float32 logits of the sampled rows."""
         sampled = self.batch.region("sample_tokens", step.num_sampled) if step.num_sampled else None
         if size is not None:
             assert self.graphs is not None
             logits, _ = self.graphs.logits(size)
-            return logits.index_select(0, sampled) if sampled is not None else None
+            return None, logits.index_select(0, sampled) if sampled is not None else None
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.mixed_hidden(bucket)
@@ -176,11 +247,56 @@ class ModelRunner:
             assert meta is not None
             hidden = self.model(self.batch.region("input_ids", step.num_tokens),
                                 self.batch.region("positions", step.num_tokens), meta, self.cache)
-        return self.model.compute_logits(hidden, sampled) if sampled is not None else None
+        return hidden, self.model.compute_logits(hidden, sampled) if sampled is not None else None
 
-    def _sample(self, step: StagedStep, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _read_masks(self, step: StagedStep, step_id: int, masked: list[int],
+                    wait_for_masks: MaskSource) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for the step's masks and check them: (the masked rows, as
+        indices into the sampled rows; their bitmask words (M, ceil(V / 32)))."""
+        message = wait_for_masks(step_id)
+        if message.step_id != step_id:
+            raise MaskError(f"masks for step {message.step_id} while step {step_id} waits for its own")
+        if list(message.seq_ids) != masked:
+            raise MaskError(f"masks for seqs {list(message.seq_ids)}, the step's masked chunks are {masked}")
+        vocab = self.limits.vocab_size
+        width = -(-vocab // 32)
+        if len(message.bitmask) != len(masked) * width * 4:
+            raise MaskError(f"{len(message.bitmask)} mask bytes, {len(masked)} masks of {width} words expected")
+        words = np.frombuffer(message.bitmask, dtype="<i4").astype(np.int32).reshape(len(masked), width)
+        if vocab % 32:   # bits past the vocabulary allow nothing
+            words[:, -1] &= np.int32((1 << (vocab % 32)) - 1)
+        empty = np.flatnonzero(~words.any(axis=1))
+        if len(empty):
+            raise MaskError(f"the mask of seq {masked[empty[0]]} allows no token")
+        where = {sid: i for i, sid in enumerate(step.sampled_seq_ids)}
+        return np.array([where[sid] for sid in masked], dtype=np.int64), words
+
+    def _sample(self, step: StagedStep, logits: torch.Tensor, masks: tuple[np.ndarray, np.ndarray] | None,
+                result: engine_pb2.StepResult) -> None:
+        """Sample the step's rows (processors, masks, top logprobs) and record the result."""
         _, params, groups = self.batch.sampling(step)
-        return _unpack(pack_results(*sample(logits, params, groups)).cpu())
+        processors = self.batch.processors(step, masks)
+        top_index = np.flatnonzero(step.top_n)
+        top_n = int(step.top_n.max()) if len(top_index) else 0
+        top_rows = torch.from_numpy(top_index).to(self.device) if top_n else None
+        drawn = sample_step(logits, params, groups, processors=processors, top_rows=top_rows, top_n=top_n)
+        packed = pack_results(drawn.tokens, drawn.logprobs)
+        if drawn.top_ids is None or drawn.top_logprobs is None:
+            tokens, logprobs = _unpack(packed.cpu())
+            self._record(step.sampled_seq_ids, tokens, logprobs, result)
+            return
+        # One copy back: (2, S), then the (R, n) ids and logprobs.
+        s, width = step.num_sampled, drawn.top_ids.shape[1]
+        host = torch.cat((packed.flatten(), drawn.top_ids.double().flatten(),
+                          drawn.top_logprobs.double().flatten())).cpu().numpy()
+        tokens, logprobs = [int(t) for t in host[:s]], host[s:2 * s].tolist()
+        top_ids = host[2 * s:2 * s + len(top_index) * width].reshape(len(top_index), width)
+        top_lps = host[2 * s + len(top_index) * width:].reshape(len(top_index), width)
+        self._record(step.sampled_seq_ids, tokens, logprobs, result)
+        for i, row in enumerate(top_index.tolist()):
+            n = int(step.top_n[row])
+            result.top_token_ids.extend(int(t) for t in top_ids[i, :n])
+            result.top_logprobs.extend(top_lps[i, :n].tolist())
 
     def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
                 result: engine_pb2.StepResult) -> None:
@@ -189,6 +305,78 @@ class ModelRunner:
         result.seq_ids.extend(seq_ids)
         result.token_ids.extend(tokens)
         result.logprobs.extend(logprobs)
+
+    # -- prompt logprobs -----------------------------------------------------
+
+    def _prompt_chunks(self, chunks: list[StepChunk]) -> list[_PromptChunk]:
+        """The step's chunks (step order) with prompt tokens to score or a row to keep."""
+        work, flat = [], 0
+        for c in chunks:
+            params = self.sequences[c.seq_id].params
+            start, end, npt = c.start, c.start + len(c.tokens), params.num_prompt_tokens
+            if params.prompt_logprobs is not None and start < npt:
+                num_logits = max(0, min(end, npt - 1) - start)
+                first, end_scored = max(1, start), min(end, npt)
+                if num_logits or first < end_scored:
+                    work.append(_PromptChunk(
+                        c.seq_id, c.plan_index, start, c.tokens, flat, num_logits, first, end_scored,
+                        params.prompt_logprobs, carry_in=start > 0, keeps=end < npt))
+            flat += len(c.tokens)
+        return work
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, work: list[_PromptChunk],
+                         result: engine_pb2.StepResult) -> None:
+        """Score the prompt tokens of ``work``'s chunks under the raw distribution, in one
+        batched program: the logits of their positions, their log-softmax rows after the
+        kept rows of the chunks before, one gather of the scored tokens and their top-N."""
+        device = self.device
+        positions = np.concatenate([np.arange(w.flat_start, w.flat_start + w.num_logits) for w in work])
+        carried = [w for w in work if w.carry_in]
+        rows = [self._prompt_carry[w.seq_id][None] for w in carried]
+        if len(positions):
+            logits = self.model.compute_logits(hidden, torch.from_numpy(positions).to(device))
+            rows.append(log_softmax_rows(logits))
+        table = torch.cat(rows)   # (carried + positions, V): kept rows first
+        # Row of the distribution each scored token is read from, and the token.
+        carry_row = {w.seq_id: i for i, w in enumerate(carried)}
+        source, target, offset = [], [], len(carried)
+        for w in work:
+            for q in range(w.first_scored, w.end_scored):
+                source.append(carry_row[w.seq_id] if q == w.start else offset + q - 1 - w.start)
+                target.append(w.tokens[q - w.start])
+            if w.keeps:   # the row after its last position scores the next chunk's first token
+                self._prompt_carry[w.seq_id] = table[offset + w.num_logits - 1].clone()
+            else:
+                self._prompt_carry.pop(w.seq_id, None)
+            offset += w.num_logits
+        src = torch.tensor(source, dtype=torch.int64, device=device)
+        scored = table[src]
+        parts = [scored.gather(-1, torch.tensor(target, dtype=torch.int64, device=device)[:, None]).squeeze(-1)]
+        width = min(max(w.alternatives for w in work), self.limits.vocab_size)
+        if width and len(source):
+            ids = top_tokens(scored, width)
+            parts += [ids.flatten().double(), scored.gather(-1, ids).flatten()]
+        host = torch.cat([p.double() for p in parts]).cpu().numpy()
+        count = len(source)
+        logprobs, top = host[:count], host[count:]
+        top_ids = top[:count * width].reshape(count, width)
+        top_lps = top[count * width:].reshape(count, width)
+        # Each chunk's scored tokens are contiguous in ``source``; entries follow the plan's order.
+        starts, at = {}, 0
+        for w in work:
+            starts[w.seq_id] = at
+            at += w.end_scored - w.first_scored
+        for w in sorted(work, key=lambda w: w.plan_index):
+            n = w.end_scored - w.first_scored
+            if not n:
+                continue
+            i = starts[w.seq_id]
+            entry = result.prompt_logprobs.add(seq_id=w.seq_id, start_position=w.first_scored,
+                                               token_ids=w.tokens[w.first_scored - w.start:w.end_scored - w.start],
+                                               logprobs=logprobs[i:i + n].tolist())
+            if w.alternatives:
+                entry.top_token_ids.extend(int(t) for t in top_ids[i:i + n, :w.alternatives].flatten())
+                entry.top_logprobs.extend(top_lps[i:i + n, :w.alternatives].flatten().tolist())
 
 
 def _decodes_first(chunk: StepChunk) -> tuple[bool, int]:

@@ -2,7 +2,37 @@
 
 Greedy (temperature 0) takes the argmax. Random sampling uses the
 exponential race (Gumbel-max): the token is ``argmax(logits / T + G)`` with
-Gumbel noise ``G = -log(-log(U))``, after top-k and top-p masking.
+Gumbel noise ``G = -log(-log(U))``, after min-p, top-k and top-p masking.
+
+Logits processors (``LogitsProcessors``; the definitions follow vLLM's).
+In this order, on a copy of the raw logits, each only on the rows that use it:
+
+1. repetition penalty ``r`` over the tokens in the prompt or the output so
+   far: a logit > 0 becomes ``logit / r``, any other ``logit * r``;
+2. frequency then presence penalty ``f``, ``p`` over the OUTPUT tokens only
+   (``count`` = occurrences in the output so far): ``logit -= f * count``,
+   then ``logit -= p * (count > 0)``;
+3. logit bias: ``logit += bias[token]``;
+4. min_tokens: while fewer than ``min_tokens`` tokens were generated
+   (sample position - prompt length < min_tokens), the banned ids (EOS and
+   stop ids, resolved by the scheduler) get -inf;
+5. the grammar's token bitmask: disallowed tokens get -inf.
+
+Then temperature scales the processed logits and the filters keep a subset:
+min-p (keep tokens whose probability is >= ``min_p`` x the largest, under the
+temperature-scaled distribution; computed as ``scaled - max >= log(min_p)``,
+no exponentials), then top-k, then top-p, which renormalises over what min-p
+and top-k kept. Greedy rows take the argmax of the processed logits (the
+filters cannot change it).
+
+Reported logprobs are those of the RAW distribution (the model's
+``log_softmax``, before penalties, bias, bans, masks, temperature and
+filters); top logprobs likewise are the N largest of the raw ``log_softmax``,
+most likely first, ties by the lower token id (``top_tokens``).
+
+Rows without any processor go through exactly the operations they did before
+processors existed, so their bits are unchanged; every operation is row-wise,
+so a row's result never depends on the other rows of the batch.
 
 Determinism: ``U`` comes from a counter-based hash of (seed, position,
 vocab index), not from a stateful generator. A row's draw therefore depends
@@ -34,7 +64,7 @@ class SamplingBatch:
     temperature: float32, 0 = greedy. top_p: float32 in (0, 1]. top_k:
     int64, 0 = off. seed_lo / seed_hi: int64, the low and high 32 bits of
     the row's 64-bit seed. position: int64, absolute position of the token
-    being sampled.
+    being sampled. min_p: float32 in [0, 1], 0 = off; None when no row uses it.
     """
 
     temperature: torch.Tensor
@@ -43,6 +73,7 @@ class SamplingBatch:
     seed_lo: torch.Tensor
     seed_hi: torch.Tensor
     position: torch.Tensor
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def from_lists(
@@ -54,6 +85,7 @@ class SamplingBatch:
         seed: list[int],
         position: list[int],
         device: torch.device,
+        min_p: list[float] | None = None,
     ) -> SamplingBatch:
         """Build from host lists; ``seed`` values are unsigned 64-bit ints."""
 
@@ -68,6 +100,8 @@ class SamplingBatch:
             seed_lo=ints([lo for lo, _ in halves]),
             seed_hi=ints([hi for _, hi in halves]),
             position=ints([p & _MASK32 for p in position]),
+            min_p=(torch.tensor(min_p, dtype=torch.float32, device=device)
+                   if min_p is not None and any(m > 0 for m in min_p) else None),
         )
 
     def rows(self, index: torch.Tensor) -> SamplingBatch:
@@ -75,6 +109,7 @@ class SamplingBatch:
         return SamplingBatch(
             self.temperature[index], self.top_p[index], self.top_k[index],
             self.seed_lo[index], self.seed_hi[index], self.position[index],
+            None if self.min_p is None else self.min_p[index],
         )
 
 
@@ -167,34 +202,167 @@ def random_row_masks(temperature: _Array, top_p: _Array, top_k: _Array) -> tuple
     return random & ~filtered, filtered
 
 
+@dataclass(frozen=True)
+class LogitsProcessors:
+    """One step's logits processors, on the device; rows are indices into the
+    step's sampled rows (S). Each part is None when no row uses it.
+
+    penalties: (rows (P,), output_counts (P, V) int32, prompt_seen (P, V)
+      bool, repetition (P,), presence (P,), frequency (P,)).
+    bias: (rows (N,), token ids (N,), values (N,) float32), one entry per
+      (row, token): no duplicates.
+    ban: (rows (N,), token ids (N,)) set to -inf.
+    mask: (rows (M,), allowed (M, V) bool).
+    """
+
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ban: tuple[torch.Tensor, torch.Tensor] | None = None
+    mask: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed copy of ``logits`` (S, V) float32: penalties, bias, ban, mask."""
+        out = logits.clone()
+        if self.penalties is not None:
+            rows, counts, seen, repetition, presence, frequency = self.penalties
+            out[rows] = apply_penalties(out[rows], counts, seen, repetition, presence, frequency)
+        if self.bias is not None:
+            rows, ids, values = self.bias
+            out[rows, ids] = out[rows, ids] + values
+        if self.ban is not None:
+            rows, ids = self.ban
+            out[rows, ids] = float("-inf")
+        if self.mask is not None:
+            rows, allowed = self.mask
+            out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_seen: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency then presence penalties (vLLM's order) on rows (P, V).
+
+    output_counts (P, V) int32: occurrences of each token in the output so
+    far; prompt_seen (P, V) bool: the token is in the prompt; the three
+    penalties (P,) float32 (1, 0, 0 = off).
+    """
+    in_output = output_counts > 0
+    r = repetition[:, None]
+    penalised = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(prompt_seen | in_output, penalised, logits)
+    logits = logits - frequency[:, None] * output_counts
+    return logits - presence[:, None] * in_output
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token bitmasks (M, ceil(V / 32)) int32 -> allowed (M, V) bool: bit t
+    of the row (word t // 32, bit t % 32) says whether token t may be sampled."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts).bitwise_and_(1)   # arithmetic shift: the & keeps one bit
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def min_p_filter(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """-inf where a token's probability is below ``min_p`` x the row's largest.
+
+    ``p_t >= min_p * p_max`` <=> ``scaled_t - max >= log(min_p)``: no
+    exponentials. Rows with min_p 0 (log = -inf) keep every token, bits unchanged.
+    """
+    top = scaled.amax(dim=-1, keepdim=True)
+    return scaled.masked_fill((scaled - top) < min_p.log()[:, None], float("-inf"))
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One step's draw: token ids (S,) int64 and their raw logprobs (S,) float32;
+    with ``top_n`` rows, their top ids (R, N) int64 and raw logprobs (R, N)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
 def sample(
     logits: torch.Tensor, params: SamplingBatch, groups: RowGroups | None = None,
-    candidates: int = DEFAULT_CANDIDATES,
+    candidates: int = DEFAULT_CANDIDATES, processors: LogitsProcessors | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits (B, V) float32. ``groups`` default to ``RowGroups.on_device``.
     Returns token ids (B,) int64 and their logprobs (B,) float32 under the
-    raw (unscaled, unfiltered) distribution. ``candidates`` and
+    raw (unprocessed, unscaled, unfiltered) distribution. ``candidates`` and
     ``groups.full_sort`` only trade speed: the tokens are the same.
     """
-    logits = logits.float()
+    drawn = sample_step(logits, params, groups, candidates, processors)
+    return drawn.tokens, drawn.logprobs
+
+
+def sample_step(
+    logits: torch.Tensor, params: SamplingBatch, groups: RowGroups | None = None,
+    candidates: int = DEFAULT_CANDIDATES, processors: LogitsProcessors | None = None,
+    top_rows: torch.Tensor | None = None, top_n: int = 0,
+) -> Sampled:
+    """``sample``, with processors, and the ``top_n`` raw top logprobs of the
+    rows ``top_rows`` (R,) (indices into the B rows) when ``top_n`` > 0."""
+    raw = logits.float()
+    logits = processors.apply(raw) if processors is not None else raw
     groups = groups if groups is not None else RowGroups.on_device(params)
     tokens = first_argmax(logits)
-    row_max = logits.gather(-1, tokens[:, None])  # (B, 1), before random rows replace their token
+    # The raw row's maximum (the greedy token's logit when nothing processed the row).
+    row_max = raw.gather(-1, tokens[:, None]) if processors is None else raw.amax(dim=-1, keepdim=True)
     if groups.plain.numel() > 0:
         rows = params.rows(groups.plain)
         vocab = torch.arange(logits.shape[-1], device=logits.device)
-        noisy = _gumbel(rows, vocab).add_(logits[groups.plain] / rows.temperature[:, None])
-        tokens[groups.plain] = first_argmax(noisy)
+        scaled = logits[groups.plain] / rows.temperature[:, None]
+        if rows.min_p is not None:
+            scaled = min_p_filter(scaled, rows.min_p)
+        tokens[groups.plain] = first_argmax(_gumbel(rows, vocab).add_(scaled))
     if groups.filtered.numel() > 0:
         rows = params.rows(groups.filtered)
         scaled = logits[groups.filtered] / rows.temperature[:, None]
+        if rows.min_p is not None:
+            scaled = min_p_filter(scaled, rows.min_p)
         if groups.full_sort:
             tokens[groups.filtered] = _sample_sorted(scaled, rows)
         else:
             tokens[groups.filtered] = _sample_filtered(scaled, rows, candidates)
-    return tokens, logprobs_of(logits, tokens, row_max)
+    log_total = row_sums((raw - row_max).exp_()).log()
+    drawn = Sampled(tokens, _raw_logprobs(raw, tokens[:, None], row_max, log_total).squeeze(-1))
+    if top_n > 0 and top_rows is not None and top_rows.numel() > 0:
+        raw_top = raw[top_rows]
+        ids = top_tokens(raw_top, top_n)
+        values = _raw_logprobs(raw_top, ids, row_max[top_rows], log_total[top_rows])
+        drawn = Sampled(tokens, drawn.logprobs, ids, values)
+    return drawn
+
+
+def _raw_logprobs(logits: torch.Tensor, ids: torch.Tensor, row_max: torch.Tensor,
+                  log_total: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at ``ids`` (B, K): ``(x[t] - max) - log(sum(exp(x - max)))``."""
+    return (logits.gather(-1, ids) - row_max) - log_total[:, None]
+
+
+def top_tokens(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Ids (R, n) of each row's ``n`` largest values, largest first, ties by the lower id.
+
+    ``topk`` does not promise an order among equal values; ranking the unique
+    int64 keys ``(order-preserving int of the float) << 32 | (V - 1 - id)``
+    does (bf16 logits tie often).
+    """
+    bits = (x + 0.0).view(torch.int32).to(torch.int64)   # + 0.0: -0.0 ranks as 0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # negative floats: flip the magnitude
+    vocab = x.shape[-1]
+    tiebreak = (vocab - 1) - torch.arange(vocab, dtype=torch.int64, device=x.device)
+    return (ordered.bitwise_left_shift_(32) | tiebreak).topk(min(n, vocab), dim=-1).indices
+
+
+def log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` of each row (R, V) by the sampler's formula (the same bits as
+    the sampled logprobs), its sums in a per-row order on the CPU (``row_sums``)."""
+    top = x.amax(dim=-1, keepdim=True)
+    shifted = x - top
+    return shifted - row_sums(shifted.exp())[:, None].log()
 
 
 def pack_results(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -299,6 +467,8 @@ def nucleus(
     keep = in_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     # Without a top-k inside the K, the nucleus is known only if the K hold
     # top_p of the full distribution (a top-k beyond K renormalises over
-    # tokens not seen here: never complete).
-    complete = k_inside | ((top_k == 0) & (top_p < 1.0) & (row_sums(probs) >= top_p))
+    # tokens not seen here: never complete), or if every token beyond the K
+    # is masked out (-inf: the K's last one is).
+    complete = (k_inside | ((top_k == 0) & (top_p < 1.0) & (row_sums(probs) >= top_p))
+                | (ordered[:, -1] == float("-inf")))
     return keep, complete
