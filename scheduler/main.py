@@ -58,12 +58,13 @@ class SchedulerProcessConfig:
     drain_seconds: float = 30.0          # SIGTERM: grace for running requests
     metrics_port: int = 0                # Prometheus /metrics on host:port; 0 = off
     log_prompts: bool = False            # put prompts in the per-request log line
+    openai_port: int = 0                 # OpenAI-compatible HTTP API on host:port; 0 = off
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
         return cls(ns.model, ns.host, ns.port, ns.max_num_seqs, ns.max_num_batched_tokens,
                    ns.policy, ns.plan_addr, ns.result_addr, ns.trace,
-                   not ns.no_prefix_cache, **production_fields(ns))
+                   not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: bool = True) -> None:
@@ -77,6 +78,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                             help="token budget of one step (default: the worker's)")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port")
+    parser.add_argument("--openai-port", type=_port_or_off, default=0, metavar="PORT",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                             "/v1/completions, /v1/models) on --host:PORT; 0 = off (default)")
     parser.add_argument("--policy", choices=["continuous", "static", "sequential"], default="continuous",
                         help="batching policy")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -100,6 +104,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
+    return value
+
+
+def _port_or_off(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535) or 0 (off), got {value}")
     return value
 
 
@@ -133,7 +144,22 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)     # end now
     loop.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
+    openai_server = None
     try:
+        if cfg.openai_port:
+            # Imported only when asked for: aiohttp stays out of a plain gRPC server.
+            from jitney.scheduler.openai_api import OpenAIServer
+
+            openai_server = OpenAIServer(servicer)
+            try:
+                await openai_server.start(cfg.host, cfg.openai_port)
+            except OSError as exc:
+                openai_server = None
+                print(f"jitney: cannot listen on {cfg.host}:{cfg.openai_port} (OpenAI API): {exc}",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"jitney: OpenAI-compatible API on http://{cfg.host}:{cfg.openai_port}/v1",
+                  flush=True)
         files = resolve_model(cfg.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, files)
         life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
@@ -143,6 +169,8 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
     finally:
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=1.0)
+        if openai_server is not None:
+            await openai_server.stop()
         link.close()
         if tracer is not None:
             tracer.close()
