@@ -223,7 +223,7 @@ class Engine:
         late and its extra token is dropped. Raises WorkerLostError when the
         worker is gone.
         """
-        in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        in_flight: deque[tuple[SchedulerOutput, float, list[int]]] = deque()
         while not self._closed:
             if len(in_flight) < self.pipeline_depth:
                 output = self.scheduler.schedule()
@@ -231,12 +231,13 @@ class Engine:
                     started = self._tracer.now() if self._tracer else 0.0
                     plan = to_step_plan(output, self._eos_token_ids, self._is_masked)
                     await self._link.send_plan(plan)
-                    in_flight.append((output, started))
+                    masked = [c.seq_id for c in plan.chunks if c.masked]
+                    in_flight.append((output, started, masked))
                     if len(in_flight) == 1:
-                        await self._send_masks(output)
+                        await self._send_masks(output.step_id, masked)
                     continue
             if in_flight:
-                output, started = in_flight.popleft()
+                output, started, _ = in_flight.popleft()
                 try:
                     result = await self._link.receive_result(output.step_id)
                 except WorkerLinkError as exc:
@@ -244,7 +245,7 @@ class Engine:
                     continue
                 self._apply(output, result, started)
                 if in_flight:   # its masks needed this step's tokens: now they are in
-                    await self._send_masks(in_flight[0][0])
+                    await self._send_masks(in_flight[0][0].step_id, in_flight[0][2])
                 continue
             if self.scheduler.has_work():
                 log.error("requests are waiting but none can be scheduled")
@@ -303,22 +304,24 @@ class Engine:
         handle = self._handles.get(request.seq_id)
         return handle is not None and handle.samples[request.sample_index].matcher is not None
 
-    async def _send_masks(self, output: SchedulerOutput) -> None:
-        """The bitmasks of ``output``'s constrained samples, from their grammar
-        states after every token sampled before (the step runs meanwhile)."""
-        masked = [c.request for c in output.scheduled if c.sample and self._is_masked(c.request)]
-        if not masked:
+    async def _send_masks(self, step_id: int, seq_ids: list[int]) -> None:
+        """The bitmasks of a step's masked chunks (``seq_ids``, as its plan
+        marked them), from their grammar states after every token sampled
+        before (the step runs meanwhile). A sample that ended since the plan
+        was sent gets an all-ones row: its token will be dropped."""
+        if not seq_ids:
             return
         words = -(-self._vocab_size // 32)
-        bitmask = np.full((len(masked), words), -1, dtype=np.int32)   # a finished sample: anything
-        for row, request in enumerate(masked):
-            handle = self._handles.get(request.seq_id)
-            matcher = handle.samples[request.sample_index].matcher if handle is not None else None
-            if matcher is not None and not request.is_finished:
-                matcher.fill_bitmask(bitmask[row])
+        bitmask = np.full((len(seq_ids), words), -1, dtype=np.int32)
+        for row, seq_id in enumerate(seq_ids):
+            handle = self._handles.get(seq_id)
+            if handle is None:
+                continue
+            sample = next(s for s in handle.samples if s.request.seq_id == seq_id)
+            if sample.matcher is not None and not sample.request.is_finished:
+                sample.matcher.fill_bitmask(bitmask[row])
         await self._link.send_masks(engine_pb2.StepMasks(
-            step_id=output.step_id, seq_ids=[r.seq_id for r in masked],
-            bitmask=bitmask.astype("<i4", copy=False).tobytes()))
+            step_id=step_id, seq_ids=seq_ids, bitmask=bitmask.astype("<i4", copy=False).tobytes()))
 
     def _emit_guarded(self, req: Request, top: list[tuple[int, float]]) -> None:
         """``_emit``, but a failure ends that one request (INTERNAL), not the loop."""
