@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +51,16 @@ MaskSource = Callable[[int], engine_pb2.StepMasks]
 class MaskError(RuntimeError):
     """The masks of a step do not fit it (another step id, other sequences, a
     wrong size, or a mask that allows no token): a scheduler bug; the step fails."""
+
+
+class _Draw(NamedTuple):
+    """A step's samples on the host: ids and logprobs in plan order, and the
+    top logprobs of the rows that asked, flattened (N each, plan order)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 @dataclass(frozen=True)
@@ -223,7 +234,10 @@ class ModelRunner:
             timer.stop()
             if logits is not None:
                 masks = self._read_masks(step, *masking) if masking is not None else None
-                self._sample(step, logits, masks, result)
+                drawn = self._sample(step, logits, masks) if masks is not None else self._sample(step, logits)
+                self._record(step.sampled_seq_ids, drawn.tokens, drawn.logprobs, result)
+                result.top_token_ids.extend(drawn.top_ids)
+                result.top_logprobs.extend(drawn.top_logprobs)
             else:   # nothing samples: no other sync
                 timer.sync()
             if prompt:
@@ -271,9 +285,9 @@ class ModelRunner:
         where = {sid: i for i, sid in enumerate(step.sampled_seq_ids)}
         return np.array([where[sid] for sid in masked], dtype=np.int64), words
 
-    def _sample(self, step: StagedStep, logits: torch.Tensor, masks: tuple[np.ndarray, np.ndarray] | None,
-                result: engine_pb2.StepResult) -> None:
-        """Sample the step's rows (processors, masks, top logprobs) and record the result."""
+    def _sample(self, step: StagedStep, logits: torch.Tensor,
+                masks: tuple[np.ndarray, np.ndarray] | None = None) -> _Draw:
+        """Sample the step's rows (processors, masks, top logprobs); the result on the host."""
         _, params, groups = self.batch.sampling(step)
         processors = self.batch.processors(step, masks)
         top_index = np.flatnonzero(step.top_n)
@@ -282,21 +296,17 @@ class ModelRunner:
         drawn = sample_step(logits, params, groups, processors=processors, top_rows=top_rows, top_n=top_n)
         packed = pack_results(drawn.tokens, drawn.logprobs)
         if drawn.top_ids is None or drawn.top_logprobs is None:
-            tokens, logprobs = _unpack(packed.cpu())
-            self._record(step.sampled_seq_ids, tokens, logprobs, result)
-            return
-        # One copy back: (2, S), then the (R, n) ids and logprobs.
+            return _Draw(*_unpack(packed.cpu()))
+        # One copy back: the (2, S) ids and logprobs, then the (R, n) top ids and logprobs.
         s, width = step.num_sampled, drawn.top_ids.shape[1]
         host = torch.cat((packed.flatten(), drawn.top_ids.double().flatten(),
                           drawn.top_logprobs.double().flatten())).cpu().numpy()
-        tokens, logprobs = [int(t) for t in host[:s]], host[s:2 * s].tolist()
         top_ids = host[2 * s:2 * s + len(top_index) * width].reshape(len(top_index), width)
         top_lps = host[2 * s + len(top_index) * width:].reshape(len(top_index), width)
-        self._record(step.sampled_seq_ids, tokens, logprobs, result)
-        for i, row in enumerate(top_index.tolist()):
-            n = int(step.top_n[row])
-            result.top_token_ids.extend(int(t) for t in top_ids[i, :n])
-            result.top_logprobs.extend(top_lps[i, :n].tolist())
+        counts = step.top_n[top_index].tolist()   # each row's own N, flattened in plan order
+        return _Draw([int(t) for t in host[:s]], host[s:2 * s].tolist(),
+                     [int(t) for i, n in enumerate(counts) for t in top_ids[i, :n]],
+                     [float(v) for i, n in enumerate(counts) for v in top_lps[i, :n]])
 
     def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
                 result: engine_pb2.StepResult) -> None:
