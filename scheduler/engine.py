@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.admission import AdmissionLimits
 from jitney.scheduler.config import SchedulerConfig
 from jitney.scheduler.detokenizer import IncrementalDetokenizer
+from jitney.scheduler.grammar import GrammarMatcher, fill_batch
 from jitney.scheduler.plan import sample_seed, to_step_plan
 from jitney.scheduler.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -70,14 +71,6 @@ class StreamEvent:
         return self.stream_done or self.error is not None
 
 
-class Matcher(Protocol):
-    """A sample's grammar state (``grammar.GrammarMatcher``)."""
-
-    def accept_token(self, token_id: int) -> bool: ...
-    def fill_bitmask(self, out: Any) -> None: ...
-    def is_terminated(self) -> bool: ...
-
-
 @dataclass(eq=False)
 class Sample:
     """One of a request's n samples: a scheduler Request of its own."""
@@ -85,7 +78,7 @@ class Sample:
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer
-    matcher: Matcher | None = None      # constrained output: the grammar's state
+    matcher: GrammarMatcher | None = None   # constrained output: the grammar's state
     done: bool = False
 
 
@@ -313,13 +306,20 @@ class Engine:
             return
         words = -(-self._vocab_size // 32)
         bitmask = np.full((len(seq_ids), words), -1, dtype=np.int32)
+        rows, matchers = [], []
         for row, seq_id in enumerate(seq_ids):
             handle = self._handles.get(seq_id)
             if handle is None:
                 continue
             sample = next(s for s in handle.samples if s.request.seq_id == seq_id)
             if sample.matcher is not None and not sample.request.is_finished:
-                sample.matcher.fill_bitmask(bitmask[row])
+                rows.append(row)
+                matchers.append(sample.matcher)
+        if matchers:
+            # In parallel on the grammar engine's threads, off the event loop.
+            filled = np.empty((len(matchers), words), dtype=np.int32)
+            await asyncio.to_thread(fill_batch, matchers, filled)
+            bitmask[rows] = filled
         await self._link.send_masks(engine_pb2.StepMasks(
             step_id=step_id, seq_ids=seq_ids, bitmask=bitmask.astype("<i4", copy=False).tobytes()))
 

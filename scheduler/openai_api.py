@@ -754,7 +754,7 @@ class OpenAIServer:
             raise _model_not_found(str(model), state)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
-        handle, record, prompt_ids = self._submit(state, parsed, timeout)
+        handle, record, prompt_ids = await self._submit(state, parsed, timeout)
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
             fmt = _Formatter(parsed, response_id, state.ready.model_name, self._tokens(state), echo)
@@ -768,14 +768,14 @@ class OpenAIServer:
             record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
 
-    def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None
+    async def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None
                 ) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
         """``GenerationServicer._submit`` for HTTP: the same checks, codes and metrics."""
         params = parsed.params
         code, status = "UNAVAILABLE", 503
         error: APIError
         try:
-            validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+            validated = await self.servicer.validate(state, params)
             handle = state.engine.submit(validated, timeout)
             record = self.servicer.metrics.track(
                 handle.request_id, len(validated.prompt_token_ids),

@@ -6,10 +6,11 @@ client can cause ends as a gRPC status on that call only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -23,9 +24,13 @@ from jitney.scheduler.request import FinishReason
 from jitney.scheduler.validation import (
     InvalidRequestError,
     ModelLimits,
+    ValidatedRequest,
     validate_generation,
     validate_tokenize,
 )
+
+if TYPE_CHECKING:
+    from jitney.scheduler.grammar import GrammarCompiler
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -54,6 +59,10 @@ def new_seed() -> int:
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.state: ServingState | None = None
+        # Built at the first constrained request (its tokenizer index takes
+        # ~0.5 s), kept across worker restarts of the same vocabulary.
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = asyncio.Lock()
         self.metrics = metrics or Metrics(lambda: self.state.engine if self.state else None)
         # While None: new requests are taken. Else why they get UNAVAILABLE
         # (draining); with no state, the same or "not ready".
@@ -72,8 +81,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         code, message = grpc.StatusCode.UNAVAILABLE, self.refusing
         try:
             if message is None:
-                validated = validate_generation(params, state.tokenizer, state.limits,
-                                                new_seed=new_seed)
+                validated = await self.validate(state, params)
                 handle = state.engine.submit(validated, context.time_remaining())
                 record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
                                             _prompt_for_log(params) if self.metrics.log_prompts else None)
@@ -88,6 +96,28 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request_log.info("request %s: rejected %s (%s)", params.request_id or "-", code.name, message)
         await context.abort(code, message)
         raise AssertionError("unreachable")
+
+    async def validate(self, state: ServingState, params: pb.GenerationParams) -> ValidatedRequest:
+        """Every rule of ``validate_generation``, then the response format's
+        grammar compiled (off the loop, bounded in time). Raises
+        InvalidRequestError, or QueueFullError when the compiler is saturated."""
+        validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+        if not params.HasField("response_format"):
+            return validated
+        compiler = await self._grammar_compiler(state)
+        return replace(validated, grammar=await compiler.compile(params.response_format))
+
+    async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:
+        async with self._grammars_lock:
+            vocab, eos = state.ready.vocab_size, sorted(state.ready.eos_token_ids)
+            current = self._grammars
+            if current is None or (current.vocab_size, sorted(current.eos_token_ids)) != (vocab, eos):
+                from jitney.scheduler.grammar import GrammarCompiler
+
+                self._grammars = await asyncio.to_thread(GrammarCompiler, state.tokenizer, vocab,
+                                                         eos_token_ids=eos)
+            assert self._grammars is not None
+            return self._grammars
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext):  # type: ignore[override]

@@ -464,8 +464,6 @@ def test_n_samples(client: openai.OpenAI, tokenizer: Any) -> None:
     assert texts == {0: expected, 1: expected} and finished == {0: "length", 1: "length"}
 
 
-@pytest.mark.xfail(strict=False, reason="response_format: the grammar (validation -> engine masks) "
-                   "is being built server-side; until then nothing is constrained")
 def test_json_schema_response(client: openai.OpenAI, server: Harness) -> None:
     before = server.worker.masked_samples
     reply = client.chat.completions.create(
