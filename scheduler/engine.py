@@ -134,6 +134,8 @@ class Engine:
         self._closed = False
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_masked_steps = 0      # steps that sampled under grammar masks
+        self.mask_seconds = 0.0        # time filling those masks
         # Called after each step with (worker seconds, sequences scheduled): metrics.
         self.on_step: Callable[[float, int], None] | None = None
 
@@ -317,9 +319,12 @@ class Engine:
                 matchers.append(sample.matcher)
         if matchers:
             # In parallel on the grammar engine's threads, off the event loop.
+            started = time.perf_counter()
             filled = np.empty((len(matchers), words), dtype=np.int32)
             await asyncio.to_thread(fill_batch, matchers, filled)
             bitmask[rows] = filled
+            self.mask_seconds += time.perf_counter() - started
+        self.num_masked_steps += 1
         await self._link.send_masks(engine_pb2.StepMasks(
             step_id=step_id, seq_ids=seq_ids, bitmask=bitmask.astype("<i4", copy=False).tobytes()))
 

@@ -207,6 +207,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prefix_cache_hit_tokens=sched.block_manager.prefix_cache_hit_tokens,
             worker_pid=self.state.ready.worker_pid if self.state else 0,
             worker_restarts=self.metrics.state.worker_restarts,
+            grammar_masked_steps=engine.num_masked_steps,
+            grammar_mask_seconds=engine.mask_seconds,
         )
 
 

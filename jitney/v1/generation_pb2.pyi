@@ -278,7 +278,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "grammar_masked_steps", "grammar_mask_seconds")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,8 @@ class GetServerStatsResponse(_message.Message):
     WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASKED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_blocks_total: int
@@ -299,4 +301,6 @@ class GetServerStatsResponse(_message.Message):
     worker_restarts: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
+    grammar_masked_steps: int
+    grammar_mask_seconds: float
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., grammar_masked_steps: _Optional[int] = ..., grammar_mask_seconds: _Optional[float] = ...) -> None: ...
