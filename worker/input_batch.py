@@ -41,8 +41,8 @@ import torch
 
 from jitney.worker.attention import AttentionMetadata
 from jitney.worker.plan import NO_PROCESSORS, ProcessorParams
-from jitney.worker.sampler import (LogitsProcessors, RowGroups, SamplingBatch, random_row_masks, split_seed,
-                                   unpack_bitmask)
+from jitney.worker.sampler import (LogitsProcessors, Penalties, RowGroups, SamplingBatch, random_row_masks,
+                                   split_seed, unpack_bitmask)
 
 REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens", "seq_rows",
            "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered", "tile_seq", "tile_idx")
@@ -133,7 +133,16 @@ def _device_ints(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
     """Host int64 arrays -> device tensors, in one copy (none on the CPU)."""
     sizes = [len(a) for a in arrays]
     flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
-    return list(flat.to(device).split(sizes))
+    return list(_to_device(flat, device).split(sizes))
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``: itself on the CPU; on CUDA through pinned
+    memory, without waiting (torch's pinned-memory cache keeps the staging
+    block until the copy is done)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -413,12 +422,17 @@ class InputBatch:
             counts = self.counts
             assert counts.output is not None and counts.prompt is not None
             f = self.fparams.index_select(1, pen_rows_d)
-            penalties = (pen_d, counts.output.index_select(0, pen_rows_d), counts.prompt.index_select(0, pen_rows_d),
-                         f[3], f[4], f[5])
-        bias = (bias_rows_d, bias_ids_d, torch.from_numpy(bias_values).to(self.device)) if len(bias_ids) else None
+            kinds = (any(params[i].repetition_penalty != 1.0 for i in pen),
+                     any(params[i].presence_penalty != 0.0 for i in pen),
+                     any(params[i].frequency_penalty != 0.0 for i in pen))
+            penalties = Penalties(pen_d, counts.output.index_select(0, pen_rows_d),
+                                  counts.prompt.index_select(0, pen_rows_d), f[3], f[4], f[5], kinds)
+        bias = None
+        if len(bias_ids):
+            bias = (bias_rows_d, bias_ids_d, _to_device(torch.from_numpy(bias_values), self.device))
         mask = None
         if masks is not None:
-            words_d = torch.from_numpy(np.ascontiguousarray(masks[1], dtype=np.int32)).to(self.device)
+            words_d = _to_device(torch.from_numpy(np.ascontiguousarray(masks[1], dtype=np.int32)), self.device)
             mask = (mask_rows_d, unpack_bitmask(words_d, self.vocab_size))
         return LogitsProcessors(penalties=penalties, bias=bias,
                                 ban=(ban_rows_d, ban_ids_d) if len(ban_ids) else None, mask=mask)

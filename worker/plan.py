@@ -118,9 +118,9 @@ def processor_params(seq: engine_pb2.NewSequence) -> ProcessorParams:
         raise PlanError(f"seq {sid}: a logit_bias token id is given twice")
     if not all(math.isfinite(v) for v in bias_values):
         raise PlanError(f"seq {sid}: logit_bias values must be finite")
-    params = ProcessorParams(
-        min_p=s.min_p, repetition_penalty=repetition, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
+    params = ProcessorParams(   # + 0.0: a -0.0 penalty is +0.0 (``x - 0.0 * n`` keeps every x's bits)
+        min_p=s.min_p, repetition_penalty=repetition, presence_penalty=s.presence_penalty + 0.0,
+        frequency_penalty=s.frequency_penalty + 0.0, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
         min_tokens=s.min_tokens, min_tokens_banned_ids=tuple(sorted(set(s.min_tokens_banned_ids))),
         top_logprobs=s.top_logprobs,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,

@@ -119,7 +119,9 @@ class ModelRunner:
                                  context_length=self.facts.context_length, vocab_size=self.facts.vocab_size,
                                  max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs)
         self.sequences: dict[int, SequenceState] = {}
-        # Per sequence with prompt_logprobs: the log-softmax row (V,) after its last computed prompt position.
+        # Sequences with prompt_logprobs, and the log-softmax row (V,) after the last computed
+        # prompt position of those whose prompt continues in a later chunk.
+        self._scoring: set[int] = set()
         self._prompt_carry: dict[int, torch.Tensor] = {}
         graph_safe = self.model.backend.graph_safe
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
@@ -187,10 +189,13 @@ class ModelRunner:
         apply_plan_diffs(plan, self.sequences)
         for sid in plan.freed_seq_ids:
             self.batch.remove(sid)
+            self._scoring.discard(sid)
             self._prompt_carry.pop(sid, None)
         for new in plan.new_sequences:
             s = self.sequences[new.seq_id]
             self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
+            if s.params.prompt_logprobs is not None:
+                self._scoring.add(new.seq_id)
         for chunk in plan.chunks:
             self.batch.extend_blocks(chunk.seq_id, list(chunk.new_block_ids))
             if chunk.start_position != computed[chunk.seq_id] and self.sequences[chunk.seq_id].params.penalised:
@@ -320,7 +325,10 @@ class ModelRunner:
 
     def _prompt_chunks(self, chunks: list[StepChunk]) -> list[_PromptChunk]:
         """The step's chunks (step order) with prompt tokens to score or a row to keep."""
-        work, flat = [], 0
+        work: list[_PromptChunk] = []
+        if not self._scoring:
+            return work
+        flat = 0
         for c in chunks:
             params = self.sequences[c.seq_id].params
             start, end, npt = c.start, c.start + len(c.tokens), params.num_prompt_tokens
@@ -356,8 +364,9 @@ class ModelRunner:
                 target.append(w.tokens[q - w.start])
             if w.keeps:   # the row after its last position scores the next chunk's first token
                 self._prompt_carry[w.seq_id] = table[offset + w.num_logits - 1].clone()
-            else:
+            else:   # its prompt is scored
                 self._prompt_carry.pop(w.seq_id, None)
+                self._scoring.discard(w.seq_id)
             offset += w.num_logits
         src = torch.tensor(source, dtype=torch.int64, device=device)
         scored = table[src]

@@ -203,19 +203,35 @@ def random_row_masks(temperature: _Array, top_p: _Array, top_k: _Array) -> tuple
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """The penalised rows of a step: rows (P,) (indices into the sampled rows),
+    output_counts (P, V) int32, prompt_seen (P, V) bool, the three penalties
+    (P,) float32, and ``kinds``: which of repetition, presence, frequency any
+    of the P rows uses (host facts: the others' passes over the vocabulary
+    are skipped; in a pass, a row that does not use it is left as it is)."""
+
+    rows: torch.Tensor
+    output_counts: torch.Tensor
+    prompt_seen: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    kinds: tuple[bool, bool, bool] = (True, True, True)
+
+
+@dataclass(frozen=True)
 class LogitsProcessors:
     """One step's logits processors, on the device; rows are indices into the
     step's sampled rows (S). Each part is None when no row uses it.
 
-    penalties: (rows (P,), output_counts (P, V) int32, prompt_seen (P, V)
-      bool, repetition (P,), presence (P,), frequency (P,)).
+    penalties: ``Penalties``.
     bias: (rows (N,), token ids (N,), values (N,) float32), one entry per
       (row, token): no duplicates.
     ban: (rows (N,), token ids (N,)) set to -inf.
     mask: (rows (M,), allowed (M, V) bool).
     """
 
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     ban: tuple[torch.Tensor, torch.Tensor] | None = None
     mask: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -224,8 +240,9 @@ class LogitsProcessors:
         """The processed copy of ``logits`` (S, V) float32: penalties, bias, ban, mask."""
         out = logits.clone()
         if self.penalties is not None:
-            rows, counts, seen, repetition, presence, frequency = self.penalties
-            out[rows] = apply_penalties(out[rows], counts, seen, repetition, presence, frequency)
+            p = self.penalties
+            out[p.rows] = apply_penalties(out[p.rows], p.output_counts, p.prompt_seen, p.repetition, p.presence,
+                                          p.frequency, p.kinds)
         if self.bias is not None:
             rows, ids, values = self.bias
             out[rows, ids] = out[rows, ids] + values
@@ -239,19 +256,26 @@ class LogitsProcessors:
 
 
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_seen: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                    kinds: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
     """Repetition, frequency then presence penalties (vLLM's order) on rows (P, V).
 
     output_counts (P, V) int32: occurrences of each token in the output so
     far; prompt_seen (P, V) bool: the token is in the prompt; the three
-    penalties (P,) float32 (1, 0, 0 = off).
+    penalties (P,) float32 (1, 0, 0 = off; a 0 is +0.0, so ``x - 0 * n`` is
+    ``x``, bit for bit). ``kinds``: (repetition, presence, frequency) passes to run.
     """
+    use_repetition, use_presence, use_frequency = kinds
     in_output = output_counts > 0
-    r = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / r, logits * r)
-    logits = torch.where(prompt_seen | in_output, penalised, logits)
-    logits = logits - frequency[:, None] * output_counts
-    return logits - presence[:, None] * in_output
+    if use_repetition:
+        r = repetition[:, None]
+        penalised = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(prompt_seen | in_output, penalised, logits)
+    if use_frequency:
+        logits = logits - frequency[:, None] * output_counts
+    if use_presence:
+        logits = logits - presence[:, None] * in_output
+    return logits
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -346,15 +370,41 @@ def _raw_logprobs(logits: torch.Tensor, ids: torch.Tensor, row_max: torch.Tensor
 def top_tokens(x: torch.Tensor, n: int) -> torch.Tensor:
     """Ids (R, n) of each row's ``n`` largest values, largest first, ties by the lower id.
 
-    ``topk`` does not promise an order among equal values; ranking the unique
-    int64 keys ``(order-preserving int of the float) << 32 | (V - 1 - id)``
-    does (bf16 logits tie often).
+    ``topk`` does not promise which of equal values it returns nor their
+    order (bf16 logits tie often); ranking unique int64 keys does
+    (``_rank_keys``). On the CPU, where a pass over the vocabulary costs, the
+    keys rank only the ``n + TOP_SLACK`` largest, exact whenever the n-th
+    value has no tie beyond them; other rows rank the whole vocabulary.
     """
-    bits = (x + 0.0).view(torch.int32).to(torch.int64)   # + 0.0: -0.0 ranks as 0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # negative floats: flip the magnitude
     vocab = x.shape[-1]
-    tiebreak = (vocab - 1) - torch.arange(vocab, dtype=torch.int64, device=x.device)
-    return (ordered.bitwise_left_shift_(32) | tiebreak).topk(min(n, vocab), dim=-1).indices
+    n = min(n, vocab)
+    if x.device.type != "cpu" or n + TOP_SLACK >= vocab:
+        return _top_of_all(x, n)
+    values, ids = x.topk(n + TOP_SLACK, dim=-1)   # descending
+    top = ids.gather(-1, _rank_keys(values, ids, vocab).topk(n, dim=-1).indices)
+    # The n-th value ties with the last candidate: an equal value (with a lower id) may lie beyond.
+    redo = (values[:, -1] >= values[:, n - 1]).nonzero().squeeze(-1)
+    if redo.numel() > 0:
+        top[redo] = _top_of_all(x[redo], n)
+    return top
+
+
+def _top_of_all(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``top_tokens`` by ranking every token's key."""
+    vocab = x.shape[-1]
+    return _rank_keys(x, torch.arange(vocab, device=x.device)[None, :], vocab).topk(n, dim=-1).indices
+
+
+# top_tokens on the CPU ranks this many candidates beyond the n asked for.
+TOP_SLACK = 16
+
+
+def _rank_keys(values: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Unique int64 keys in the order (value descending, id ascending):
+    ``(order-preserving int of the float) << 32 | (vocab - 1 - id)``."""
+    bits = (values + 0.0).view(torch.int32).to(torch.int64)   # + 0.0: -0.0 ranks as 0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # negative floats: flip the magnitude
+    return ordered.bitwise_left_shift_(32) | ((vocab - 1) - ids)
 
 
 def log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
