@@ -132,7 +132,7 @@ def processor_params(seq: engine_pb2.NewSequence) -> ProcessorParams:
     if uses_prompt_end and params.num_prompt_tokens < 1:
         raise PlanError(f"seq {sid}: num_prompt_tokens must be set (>= 1) with presence/frequency penalties, "
                         "min_tokens or prompt_logprobs")
-    return params if params != NO_PROCESSORS else NO_PROCESSORS
+    return params
 
 
 def check_sampling_limits(seq: engine_pb2.NewSequence, params: ProcessorParams, limits: PlanLimits) -> None:

@@ -239,6 +239,7 @@ class ModelRunner:
             timer.stop()
             if logits is not None:
                 masks = self._read_masks(step, *masking) if masking is not None else None
+                # (Called with two arguments when unmasked: tests wrap ``_sample`` so.)
                 drawn = self._sample(step, logits, masks) if masks is not None else self._sample(step, logits)
                 self._record(step.sampled_seq_ids, drawn.tokens, drawn.logprobs, result)
                 result.top_token_ids.extend(drawn.top_ids)
