@@ -26,15 +26,17 @@ def to_step_plan(output: SchedulerOutput, eos_token_ids: frozenset[int] = frozen
     request is short of its ``min_tokens``. ``masked``: whether a sampling
     chunk's request is constrained (its bitmask follows in a StepMasks).
     """
+    starts = {c.request.seq_id: c.start_position for c in output.scheduled}
     return engine_pb2.StepPlan(
         step_id=output.step_id,
         freed_seq_ids=output.freed_seq_ids,
-        new_sequences=[_new_sequence(r, eos_token_ids) for r in output.new_seqs],
+        new_sequences=[_new_sequence(r, eos_token_ids, starts.get(r.seq_id, 0)) for r in output.new_seqs],
         chunks=[_chunk(c, masked) for c in output.scheduled],
     )
 
 
-def _new_sequence(request: Request, eos_token_ids: frozenset[int]) -> engine_pb2.NewSequence:
+def _new_sequence(request: Request, eos_token_ids: frozenset[int], start: int) -> engine_pb2.NewSequence:
+    """A sequence the worker has no state for; ``start``: its first chunk's position."""
     s = request.sampling
     config = engine_pb2.SamplingConfig(
         temperature=s.temperature,
@@ -55,7 +57,10 @@ def _new_sequence(request: Request, eos_token_ids: frozenset[int]) -> engine_pb2
         config.min_tokens_banned_ids.extend(sorted(min_tokens_banned(s, eos_token_ids)))
     if request.wants_prompt_logprobs:
         config.prompt_logprobs = s.prompt_logprobs or 0
-    return engine_pb2.NewSequence(seq_id=request.seq_id, sampling=config)
+    new = engine_pb2.NewSequence(seq_id=request.seq_id, sampling=config)
+    if start and request.penalised:    # a cached or shared prefix the worker will not compute
+        new.context_token_ids.extend(request.all_token_ids[:start])
+    return new
 
 
 def sample_seed(seed: int, index: int) -> int:

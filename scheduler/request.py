@@ -85,6 +85,12 @@ class Request:
     prompt_logprobs_done: bool = False
 
     @property
+    def penalised(self) -> bool:
+        """Penalties that count the tokens so far (the worker keeps the counts)."""
+        s = self.sampling
+        return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs are still to be computed (so no cached prefix is read)."""
         return self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_done

@@ -162,3 +162,4 @@ def test_bad_sampling_value_is_invalid_argument(server: Server) -> None:
         stream(server, PROMPT, max_tokens=4, n=17)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "params.sampling.n" in info.value.details()
+

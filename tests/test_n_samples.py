@@ -8,6 +8,8 @@ wrote into a shared block, would change its output or raise.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jitney.scheduler.config import SchedulerConfig
 from jitney.scheduler.plan import sample_seed, to_step_plan
 from jitney.scheduler.request import FinishReason, Request, RequestStatus
@@ -194,3 +196,36 @@ def test_prompt_logprobs_request_reads_no_cached_prefix() -> None:
     out = sched.schedule()
     starts = {c.request.seq_id: c.start_position for c in out.scheduled}
     assert starts[2] == 0 and starts[3] == 48
+
+
+def test_penalised_sequences_get_the_context_they_do_not_compute() -> None:
+    """A penalised sample that shares its parent's blocks, or a penalised
+    request that hits the prefix cache, tells the worker the skipped tokens
+    (context_token_ids) so its penalty counts cover them; others send none."""
+    sched = Scheduler(config(budget=512))
+    worker = FakeWorker.for_config(sched.config)
+    reqs = samples(1, 100, 2, max_tokens=4)
+    for r in reqs:
+        r.sampling = replace(r.sampling, frequency_penalty=0.5)
+    plain = make_request(5, 100, max_tokens=4, ignore_eos=True)   # same prompt, no penalty: a cache hit
+    hit = make_request(6, 100, max_tokens=4, ignore_eos=True, repetition_penalty=1.2)
+    for r in reqs:
+        sched.add_request(r)
+    contexts: dict[int, list[int]] = {}
+    for step in range(100):
+        if step == 1:      # the parent's prompt blocks are cached from step 2 on
+            sched.add_request(plain)
+            sched.add_request(hit)
+        if step and not sched.has_work():
+            break
+        output = sched.schedule()
+        plan = to_step_plan(output)
+        for new in plan.new_sequences:
+            contexts[new.seq_id] = list(new.context_token_ids)
+        if not output.is_empty:
+            result = worker.execute(plan)
+            sched.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+    prompt = reqs[0].prompt_token_ids
+    assert contexts[1] == [] and contexts[5] == []          # from 0; no penalty
+    assert contexts[2] == prompt[:96]                       # shared: (100 - 1) // 16 blocks
+    assert contexts[6] == prompt[:96]                       # a prefix-cache hit

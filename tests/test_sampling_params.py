@@ -720,3 +720,39 @@ def test_worker_loop_waits_for_masks(config: WorkerConfig, tmp_path: Path) -> No
         plans.close(linger=0)
         results.close(linger=0)
         ctx.term()
+
+
+def test_penalties_count_the_context_a_sequence_does_not_compute(config: WorkerConfig) -> None:
+    """A penalised sequence that starts past 0 (a prefix-cache hit, or the
+    prompt blocks an n > 1 sample shares) gets the skipped tokens as
+    context_token_ids: its counts equal those of the sequence that computed
+    everything, and so do its tokens."""
+    runner = ModelRunner(config)
+    driver = Driver(runner)
+    prompt = list(range(40, 40 + 3 * BLOCK + 2))
+    sampling = dict(repetition_penalty=1.6, frequency_penalty=0.9, presence_penalty=0.3)
+    driver.add(1, prompt, **sampling)
+    driver.step({1: 64})
+    owner = driver.seqs[1]
+    shared = owner.blocks[:2]               # 2 whole prompt blocks, written by the step above
+    start = 2 * BLOCK
+    new_blocks = [driver.free.pop(), driver.free.pop()]
+    plan = pb.StepPlan(step_id=driver.step_id, new_sequences=[pb.NewSequence(
+        seq_id=2, sampling=pb.SamplingConfig(num_prompt_tokens=len(prompt), **sampling),  # type: ignore[arg-type]
+        context_token_ids=prompt[:start])])
+    driver.step_id += 1
+    plan.chunks.add(seq_id=2, start_position=start, token_ids=prompt[start:], sample=True,
+                    new_block_ids=shared + new_blocks)
+    result = runner.execute(plan)
+    assert list(result.token_ids) == [owner.tokens[len(prompt)]]
+    counts, rows = runner.batch.counts, runner.batch.rows
+    assert counts.output is not None and counts.prompt is not None
+    assert torch.equal(counts.prompt[rows[1]], counts.prompt[rows[2]])
+    assert torch.equal(counts.output[rows[2]], torch.zeros_like(counts.output[rows[2]]))
+    bad = pb.StepPlan(step_id=driver.step_id, new_sequences=[pb.NewSequence(
+        seq_id=3, sampling=pb.SamplingConfig(num_prompt_tokens=len(prompt), **sampling),  # type: ignore[arg-type]
+        context_token_ids=prompt[:start - 1])])
+    bad.chunks.add(seq_id=3, start_position=start, token_ids=prompt[start:], sample=True,
+                   new_block_ids=[driver.free.pop() for _ in range(4)])
+    with pytest.raises(PlanError, match="context_token_ids must cover"):
+        runner.execute(bad)

@@ -327,6 +327,12 @@ class InputBatch:
             processed=processed, uses_min_p=uses_min_p,
         )
 
+    def count_context(self, seq_id: int, token_ids: list[int]) -> None:
+        """Count a penalised sequence's positions 0.. that it will not compute
+        (a cached or shared prefix), as if a chunk had computed them."""
+        row = self.rows[seq_id]
+        self._count_tokens([StepChunk(seq_id, 0, token_ids, False, 0)], np.array([row]))
+
     def _count_tokens(self, chunks: list[StepChunk], rows: np.ndarray) -> None:
         """Count the tokens of the step's penalised chunks into their rows
         (``TokenCounts``): the prompt's part and the output's part."""

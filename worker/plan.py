@@ -149,6 +149,13 @@ def check_sampling_limits(seq: engine_pb2.NewSequence, params: ProcessorParams, 
     if params.num_prompt_tokens > limits.context_length:
         raise PlanError(f"seq {sid}: num_prompt_tokens {params.num_prompt_tokens} exceeds "
                         f"the context length {limits.context_length}")
+    context = seq.context_token_ids
+    if context and not params.penalised:
+        raise PlanError(f"seq {sid}: context_token_ids for a sequence without penalties")
+    if context and max(context) >= vocab:
+        raise PlanError(f"seq {sid}: context token id {max(context)} outside vocab of {vocab}")
+    if len(context) >= limits.context_length:
+        raise PlanError(f"seq {sid}: {len(context)} context tokens exceed the context length")
 
 
 def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState], limits: PlanLimits) -> None:
@@ -233,7 +240,15 @@ def _check_history(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
                    new_params: dict[int, ProcessorParams]) -> None:
     """Prompt logprobs score every prompt token from the one before it: such a
     sequence's chunks must follow each other from position 0 (the scheduler
-    reads no cached prefix for it)."""
+    reads no cached prefix for it). A new sequence's context tokens are the
+    positions before its first chunk, exactly."""
+    context = {n.seq_id: len(n.context_token_ids) for n in plan.new_sequences if n.context_token_ids}
+    for chunk in plan.chunks:
+        if chunk.seq_id in context and context.pop(chunk.seq_id) != chunk.start_position:
+            raise PlanError(f"seq {chunk.seq_id}: context_token_ids must cover the positions before its "
+                            f"first chunk at {chunk.start_position}")
+    if context:
+        raise PlanError(f"seq {next(iter(context))}: context_token_ids but no chunk in the plan")
     for chunk in plan.chunks:
         sid = chunk.seq_id
         params = new_params[sid] if sid in new_params else seqs[sid].params

@@ -183,9 +183,9 @@ class ModelRunner:
 
     def _apply(self, plan: engine_pb2.StepPlan) -> None:
         """The plan's diffs, to the sequence states and to the persistent batch's rows."""
-        new_ids = {n.seq_id for n in plan.new_sequences}
-        computed = {c.seq_id: 0 if c.seq_id in new_ids else self.sequences[c.seq_id].num_computed
-                    for c in plan.chunks}
+        new_context = {n.seq_id: len(n.context_token_ids) for n in plan.new_sequences}
+        computed = {c.seq_id: new_context[c.seq_id] if c.seq_id in new_context
+                    else self.sequences[c.seq_id].num_computed for c in plan.chunks}
         apply_plan_diffs(plan, self.sequences)
         for sid in plan.freed_seq_ids:
             self.batch.remove(sid)
@@ -194,6 +194,8 @@ class ModelRunner:
         for new in plan.new_sequences:
             s = self.sequences[new.seq_id]
             self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
+            if new.context_token_ids:   # a cached or shared prefix: its tokens still count
+                self.batch.count_context(new.seq_id, list(new.context_token_ids))
             if s.params.prompt_logprobs is not None:
                 self._scoring.add(new.seq_id)
         for chunk in plan.chunks:

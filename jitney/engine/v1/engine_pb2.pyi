@@ -49,12 +49,14 @@ class SamplingConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling")
+    __slots__ = ("seq_id", "sampling", "context_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SamplingConfig
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ...) -> None: ...
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
     __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample", "masked")
