@@ -3,7 +3,8 @@
 An aiohttp server in the scheduler's own asyncio loop, beside the gRPC
 server, over the same Engine: every request becomes a
 ``jitney.v1.GenerationParams`` and goes through the gRPC path's own
-``validate_generation`` and ``Engine.submit``, so limits, queue bounds,
+``GenerationServicer.validate`` (the rules, then the response format's
+grammar) and ``Engine.submit``, so limits, queue bounds,
 deadlines, cancellation, metrics and the request log are the same.
 
     GET  /v1/models, /v1/models/{id}    the served model (owned_by "jitney")
@@ -63,8 +64,8 @@ from jitney.scheduler.admission import QueueFullError
 from jitney.scheduler.engine import EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.metrics import RequestRecord, request_log
 from jitney.scheduler.request import FinishReason
-from jitney.scheduler.server import GenerationServicer, ServingState, new_seed
-from jitney.scheduler.validation import InvalidRequestError, validate_generation
+from jitney.scheduler.server import GenerationServicer, ServingState
+from jitney.scheduler.validation import InvalidRequestError
 
 log = logging.getLogger("jitney.scheduler")
 
