@@ -159,3 +159,11 @@ def test_host_row_groups_sample_the_same_tokens(device: str) -> None:
         got = sample(logits, params, rows)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1])
+
+
+def test_uniform_noise_never_reaches_one() -> None:
+    """The 24-bit version rounded (2**24 - 1) + 0.5 up to 2**24 in float32: U = 1,
+    infinite Gumbel noise. Seed 72, position 36, token 42583 drew exactly that."""
+    u = uniform_noise(torch.tensor([72]), torch.tensor([0]), torch.tensor([36]), torch.arange(49152))
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    assert float(u[0, 42583]) == 1.0 - 2.0**-24     # the top of the range, no longer 1

@@ -160,8 +160,11 @@ def uniform_noise(
     key = _fmix32_(key ^ position)[:, None]  # (B, 1)
     column = _fmix32_(token_ids + _GOLDEN)
     bits = _fmix32_(key ^ (column if column.dim() == 2 else column[None, :]))
-    # 24 bits convert to float32 exactly; the half offset keeps 0 and 1 out.
-    return bits.bitwise_right_shift_(8).float().add_(0.5).mul_(1.0 / (1 << 24))
+    # 23 bits plus the half offset fit float32's 24-bit significand exactly,
+    # so U lies in [2**-24, 1 - 2**-24]: never 0 or 1. (With 24 bits,
+    # (2**24 - 1) + 0.5 rounded up to 2**24: U = 1 gave that token infinite
+    # noise, whatever its probability, and NaN on a masked row.)
+    return bits.bitwise_right_shift_(9).float().add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def _gumbel(params: SamplingBatch, token_ids: torch.Tensor) -> torch.Tensor:
