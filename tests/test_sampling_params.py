@@ -28,8 +28,7 @@ from jitney.worker.input_batch import InputBatch, StepChunk
 from jitney.worker.main import run_worker
 from jitney.worker.plan import PlanError, PlanLimits, ProcessorParams, SequenceState, validate_plan
 from jitney.worker.runner import MaskError, ModelRunner
-from jitney.worker.sampler import (SamplingBatch, apply_penalties, sample, sample_step, top_tokens,
-                                   unpack_bitmask)
+from jitney.worker.sampler import SamplingBatch, apply_penalties, mask_logits, sample, sample_step, top_tokens
 
 CPU = torch.device("cpu")
 VOCAB = 320          # the tiny model's
@@ -141,6 +140,34 @@ def test_a_mask_allowing_only_banned_tokens_keeps_the_grammar() -> None:
     processors = batch.processors(step, (np.array([0]), bitmask([[2]])))
     tokens, _ = sample(logits_for(1), batch.sampling(step)[1], processors=processors)
     assert tokens.tolist() == [2]
+
+
+def test_processors_copy_only_the_rows_they_process() -> None:
+    """The processors copy only the rows that use any of them, and place those
+    among the step's random rows by position (plain rows 1, 2; filtered rows 3, 4)."""
+    batch = InputBatch(max_num_seqs=8, max_num_tokens=256, max_blocks_per_seq=64, block_size=4, device=CPU,
+                       vocab_size=VOCAB)
+    rows = [  # (temperature, top_p, params)
+        (0.0, 1.0, ProcessorParams()),                                                # greedy
+        (0.8, 1.0, ProcessorParams(logit_bias_ids=(3,), logit_bias_values=(1.0,))),   # plain, biased
+        (0.8, 1.0, ProcessorParams()),                                                # plain
+        (0.7, 0.9, ProcessorParams()),                                                # filtered, masked
+        # filtered, min_tokens reached (the token sampled at 2 is the second): no ban
+        (0.7, 0.9, ProcessorParams(min_tokens=1, min_tokens_banned_ids=(2,), num_prompt_tokens=1)),
+    ]
+    for sid, (temperature, top_p, params) in enumerate(rows):
+        batch.add(sid, temperature, top_p, 0, seed=sid, params=params)
+    step = batch.stage([StepChunk(sid, 0, [5, 6], True, sid) for sid in range(len(rows))])
+    processors = batch.processors(step, (np.array([3]), bitmask([[7, 8]])))
+    assert processors is not None
+    assert processors.rows.tolist() == [1, 3]
+    assert [t.tolist() for t in processors.in_plain] == [[0], [0]]      # plain row 0 is processed row 0
+    assert [t.tolist() for t in processors.in_filtered] == [[0], [1]]   # filtered row 0 is processed row 1
+    logits = logits_for(len(rows))
+    want = logits[[1, 3]].clone()
+    want[0, 3] += 1.0
+    want[1] = want[1].masked_fill(~torch.isin(torch.arange(VOCAB), torch.tensor([7, 8])), NEG_INF)
+    torch.testing.assert_close(processors.apply(logits), want, rtol=0, atol=0)
 
 
 FILTERS = [  # temperature, min_p, top_k, top_p
@@ -258,9 +285,16 @@ def test_top_tokens_rank_ties_by_the_lower_id() -> None:
             assert ids[row].tolist() == want, (n, row)
 
 
-def test_unpack_bitmask_matches_numpy() -> None:
+def test_mask_logits_is_masked_fill_by_numpys_unpacking() -> None:
+    """Bit for bit, special values included (-0.0, infinities, NaN, subnormals)."""
     words = np.random.default_rng(0).integers(-2**31, 2**31, size=(3, 10), dtype=np.int64).astype(np.int32)
-    assert np.array_equal(unpack_bitmask(torch.from_numpy(words), 300).numpy(), ref_allowed(words, 300))
+    words[0, 0] |= 0x3F     # the special values below allowed in row 0, not in row 1
+    words[1, 0] &= ~0x3F
+    logits = logits_for(3, 300)
+    logits[:, :6] = torch.tensor([-0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-40])
+    want = logits.masked_fill(~torch.from_numpy(ref_allowed(words, 300)), NEG_INF)
+    got = mask_logits(logits, torch.from_numpy(words))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 # -- plan validation ---------------------------------------------------------------

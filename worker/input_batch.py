@@ -42,7 +42,7 @@ import torch
 from jitney.worker.attention import AttentionMetadata
 from jitney.worker.plan import NO_PROCESSORS, ProcessorParams
 from jitney.worker.sampler import (LogitsProcessors, Penalties, RowGroups, SamplingBatch, random_row_masks,
-                                   split_seed, unpack_bitmask)
+                                   split_seed)
 
 REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens", "seq_rows",
            "sample_tokens", "sample_rows", "sample_pos", "plain", "filtered", "tile_seq", "tile_idx")
@@ -402,7 +402,8 @@ class InputBatch:
         constrained, and their bitmasks (M, ceil(V / 32)) int32, every row
         allowing some token. Where a mask allows only tokens that min_tokens
         bans, the grammar wins: that row's ban is dropped for this step (the
-        grammar can only end there).
+        grammar can only end there). Only the rows that some processor
+        processes are copied and processed (``LogitsProcessors.rows``).
         """
         if not step.processed and masks is None:
             return None
@@ -421,8 +422,20 @@ class InputBatch:
                     del banning[row]
         ban_rows = _ints(i for i, ids in banning.items() for _ in ids)
         ban_ids = _ints(t for ids in banning.values() for t in ids)
-        pen_d, pen_rows_d, bias_rows_d, bias_ids_d, ban_rows_d, ban_ids_d, mask_rows_d = _device_ints(
-            self.device, pen, step.sampled_rows[pen], bias_rows, bias_ids, ban_rows, ban_ids, mask_rows)
+        processed = np.zeros(len(params), dtype=bool)
+        for part_rows in (pen, bias_rows, ban_rows, mask_rows):
+            processed[part_rows] = True
+        rows = np.flatnonzero(processed)
+        if not len(rows):
+            return None
+        within = np.cumsum(processed) - 1   # a processed row's index among them
+        # The processed rows among the staged groups' (found again here): their positions there.
+        plain, filtered = self._row_groups(step.sampled_rows)
+        at_plain, at_filtered = np.flatnonzero(processed[plain]), np.flatnonzero(processed[filtered])
+        (rows_d, pen_d, pen_rows_d, bias_rows_d, bias_ids_d, ban_rows_d, ban_ids_d, mask_rows_d,
+         at_plain_d, src_plain_d, at_filtered_d, src_filtered_d) = _device_ints(
+            self.device, rows, within[pen], step.sampled_rows[pen], within[bias_rows], bias_ids, within[ban_rows],
+            ban_ids, within[mask_rows], at_plain, within[plain[at_plain]], at_filtered, within[filtered[at_filtered]])
         penalties = None
         if len(pen):
             counts = self.counts
@@ -438,9 +451,10 @@ class InputBatch:
             bias = (bias_rows_d, bias_ids_d, _to_device(torch.from_numpy(bias_values), self.device))
         mask = None
         if masks is not None:
-            words_d = _to_device(torch.from_numpy(np.ascontiguousarray(masks[1], dtype=np.int32)), self.device)
-            mask = (mask_rows_d, unpack_bitmask(words_d, self.vocab_size))
-        return LogitsProcessors(penalties=penalties, bias=bias,
+            mask = (mask_rows_d, _to_device(torch.from_numpy(np.ascontiguousarray(masks[1], dtype=np.int32)),
+                                            self.device))
+        return LogitsProcessors(rows_d, (at_plain_d, src_plain_d), (at_filtered_d, src_filtered_d),
+                                penalties=penalties, bias=bias,
                                 ban=(ban_rows_d, ban_ids_d) if len(ban_ids) else None, mask=mask)
 
     def _row_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
