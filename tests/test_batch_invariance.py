@@ -38,7 +38,7 @@ from bench.invariance import format_table, run_invariance
 from bench.invariance_driver import (
     BatchDriver, Output, PreemptPolicy, Request, first_difference, preempt_by_position, run_alone, torch_threads,
 )
-from bench.server_harness import running_server
+from bench.server_harness import Server
 from bench.tiny_models import make_tiny_llama
 from jitney.worker.config import DType, WorkerConfig
 from jitney.worker.runner import ModelRunner
@@ -277,13 +277,12 @@ def test_any_composition_matches_alone_bf16(
 
 
 @pytest.mark.slow
-def test_the_default_server_is_batch_invariant(tmp_path: Path) -> None:
+def test_the_default_server_is_batch_invariant(default_server: Server) -> None:
     """``bench/invariance.py``'s experiment on `jitney serve` with no flags (the
     bundled default model, its default dtype): 6 prompts alone, greedy and
     seeded, then one round of 48 requests over them, 32 in flight."""
-    with running_server([], tmp_path) as server:
-        report = run_invariance(server.stub(), prompts=TEXT_PROMPTS[:6], max_tokens=24, batch=48, inflight=32,
-                                rounds=1, seeded=True)
+    report = run_invariance(default_server.stub(), prompts=TEXT_PROMPTS[:6], max_tokens=24, batch=48,
+                            inflight=32, rounds=1, seeded=True)
     table = format_table(report)
     print("\n" + table)
     assert report.requests == 48

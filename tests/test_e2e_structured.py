@@ -21,7 +21,7 @@ import grpc
 import jsonschema
 import pytest
 
-from bench.server_harness import Server, running_server
+from bench.server_harness import Server
 from jitney.client.client import Sampling, make_params, response_format
 from jitney.v1 import generation_pb2 as pb
 from tests.test_e2e import wait_idle
@@ -52,11 +52,8 @@ GRAMMAR_AS_REGEX = r"(Hello|Hi) [A-Z][a-z]{1,10}!"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    # A small KV cache and few seats: a quicker start, enough for these requests.
-    args = ["--num-blocks", "256", "--max-num-seqs", "16"]
-    with running_server(args, tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(default_server: Server) -> Server:
+    return default_server     # shared: the default model's server starts once per session
 
 
 def params(prompt: str, constraint: pb.ResponseFormat | None, max_tokens: int, **sampling: Any) -> pb.GenerationParams:
