@@ -163,3 +163,36 @@ def test_bad_sampling_value_is_invalid_argument(server: Server) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "params.sampling.n" in info.value.details()
 
+
+
+def test_every_parameter_same_output_batched_and_preempted(server: Server) -> None:
+    """Same seed, same output, whatever else is batched, with every new
+    parameter: 16 requests mixing them, first each alone, then all at once on
+    a cache too small for them (preemptions, recompute, penalty counts
+    rebuilt). Tokens, logprobs and top logprobs are bit-identical."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mixes: list[dict[str, object]] = [
+        dict(temperature=0.9, repetition_penalty=1.3),
+        dict(temperature=0.7, presence_penalty=1.0, frequency_penalty=0.5, top_k=40),
+        dict(temperature=1.2, min_p=0.05, top_p=0.9),
+        dict(logit_bias={7: 3.0, 11: -100.0}, top_logprobs=3),
+        dict(temperature=0.8, min_tokens=20, logit_bias={EOS_TOKEN_ID: 4.0}),
+        dict(repetition_penalty=0.7, frequency_penalty=-0.5),
+        dict(temperature=1.0, top_logprobs=2, presence_penalty=-1.0),
+        dict(),
+    ]
+    jobs = [(list(range(3 + i, 103 + i)), dict(seed=100 + i, max_tokens=60, **mixes[i % len(mixes)]))
+            for i in range(16)]
+
+    def run(job: tuple[list[int], dict[str, object]]) -> list[tuple[list[int], list[float], list[str]]]:
+        prompt, sampling = job
+        msgs = stream(server, prompt, **sampling)
+        return [(list(m.token_ids), list(m.logprobs), [str(t) for t in m.top_logprobs]) for m in msgs]
+
+    alone = [run(job) for job in jobs]
+    before = wait_idle(server).preemptions
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, jobs))
+    assert wait_idle(server).preemptions > before      # 16 x 10 blocks do not fit in 128
+    assert together == alone
