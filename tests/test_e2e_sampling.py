@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.server_harness import Server, running_server
+from bench.server_harness import Server, free_port, running_server
 from bench.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from jitney.client.client import Sampling, make_params
 from jitney.v1 import generation_pb2 as pb
@@ -32,10 +32,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
 
 
+OPENAI_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory):
     args = ["--model", str(model), "--num-blocks", "128", "--block-size", "16",
-            "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--dtype", "float32"]
+            "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--dtype", "float32",
+            "--openai-port", str(OPENAI_PORT)]
     with running_server(args, tmp_path_factory.mktemp("logs")) as srv:
         yield srv
 
@@ -196,3 +200,34 @@ def test_every_parameter_same_output_batched_and_preempted(server: Server) -> No
         together = list(pool.map(run, jobs))
     assert wait_idle(server).preemptions > before      # 16 x 10 blocks do not fit in 128
     assert together == alone
+
+
+def test_openai_door_over_real_processes(server: Server) -> None:
+    """`jitney serve --openai-port` with its real worker, through the official
+    client: n = 2 chat with logprobs, a JSON-schema response, a streamed
+    completion, and a bad request; the gRPC stats see it all end."""
+    import json
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{OPENAI_PORT}/v1", api_key="unused", max_retries=0)
+    (model,) = [m.id for m in client.models.list()]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=5, seed=3, logprobs=True, top_logprobs=2)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    assert all(len(c.logprobs.content) == 5 for c in chat.choices if c.logprobs is not None)
+    assert chat.usage.completion_tokens == 10
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "json please"}], max_tokens=400, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}})
+    # A random model may pad with whitespace (the grammar allows up to 64 between tokens): room enough.
+    assert reply.choices[0].finish_reason == "stop"
+    assert json.loads(reply.choices[0].message.content or "") in ({"ok": True}, {"ok": False})
+    chunks = list(client.completions.create(model=model, prompt="once", max_tokens=4, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert sum(len(c.choices) for c in chunks) >= 1
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=17)
+    assert wait_idle(server).kv_blocks_used == 0
