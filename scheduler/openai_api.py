@@ -3,9 +3,9 @@
 An aiohttp server in the scheduler's own asyncio loop, beside the gRPC
 server, over the same Engine: every request becomes a
 ``jitney.v1.GenerationParams`` and goes through the gRPC path's own
-``GenerationServicer.validate`` (the rules, then the response format's
-grammar) and ``Engine.submit``, so limits, queue bounds,
-deadlines, cancellation, metrics and the request log are the same.
+``GenerationServicer.admit`` (validation, the response format's grammar,
+``Engine.submit``, metrics), so limits, queue bounds, deadlines,
+cancellation, metrics and the request log are the same.
 
     GET  /v1/models, /v1/models/{id}    the served model (owned_by "jitney")
     POST /v1/completions                one prompt: text or token ids
@@ -60,12 +60,10 @@ from typing import Any
 from aiohttp import web
 
 from jitney.v1 import generation_pb2 as pb
-from jitney.scheduler.admission import QueueFullError
-from jitney.scheduler.engine import EngineUnavailableError, RequestHandle, StreamEvent
-from jitney.scheduler.metrics import RequestRecord, request_log
+from jitney.scheduler.engine import RequestHandle, StreamEvent
+from jitney.scheduler.metrics import RequestRecord
 from jitney.scheduler.request import FinishReason
-from jitney.scheduler.server import GenerationServicer, ServingState
-from jitney.scheduler.validation import InvalidRequestError
+from jitney.scheduler.server import GenerationServicer, RequestRefused, ServingState
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -770,31 +768,19 @@ class OpenAIServer:
             state.engine.cancel(handle)
 
     async def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None
-                ) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
-        """``GenerationServicer._submit`` for HTTP: the same checks, codes and metrics."""
-        params = parsed.params
-        code, status = "UNAVAILABLE", 503
-        error: APIError
+                      ) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
+        """``GenerationServicer.admit`` (the gRPC path's checks, codes and metrics), its
+        refusals as OpenAI errors (an invalid field named by its OpenAI argument)."""
         try:
-            validated = await self.servicer.validate(state, params)
-            handle = state.engine.submit(validated, timeout)
-            record = self.servicer.metrics.track(
-                handle.request_id, len(validated.prompt_token_ids),
-                _prompt_for_log(params) if self.servicer.metrics.log_prompts else None)
-            return handle, record, validated.prompt_token_ids
-        except InvalidRequestError as exc:
-            code, status = "INVALID_ARGUMENT", 400
+            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout)
+        except RequestRefused as refused:
+            exc = refused.invalid
+            if exc is None:
+                raise APIError(HTTP_STATUS[refused.code], refused.message) from None
             param = openai_param(exc.field, parsed)
             detail = str(exc).removeprefix(f"{exc.field}: ")
-            error = APIError(400, f"{param}: {detail}", param=param)
-        except QueueFullError as exc:
-            code, status = "RESOURCE_EXHAUSTED", 429
-            error = APIError(429, str(exc))
-        except EngineUnavailableError as exc:
-            error = APIError(503, str(exc))
-        self.servicer.metrics.request_failure.labels(code=code).inc()
-        request_log.info("request %s: rejected %s (%s)", params.request_id, code, error.message)
-        raise error
+            raise APIError(400, f"{param}: {detail}", param=param) from None
+        return handle, record, validated.prompt_token_ids
 
 
 def _model_not_found(name: str, state: ServingState) -> APIError:
@@ -821,15 +807,6 @@ def _echo_text(parsed: ParsedRequest, prompt_ids: tuple[int, ...], tokenizer: An
     if parsed.params.WhichOneof("prompt") == "text":
         return parsed.params.text
     return str(tokenizer.decode(list(prompt_ids)))
-
-
-def _prompt_for_log(params: pb.GenerationParams) -> object:
-    kind = params.WhichOneof("prompt")
-    if kind == "text":
-        return params.text
-    if kind == "token_ids":
-        return list(params.token_ids.ids)
-    return [(m.role, m.content) for m in params.chat.messages]
 
 
 async def _events(handle: RequestHandle, record: RequestRecord) -> AsyncIterator[StreamEvent]:

@@ -52,6 +52,15 @@ class ServingState:
     tokenizer: Any
 
 
+class RequestRefused(Exception):
+    """A request the server did not take: a grpc.StatusCode name, the message,
+    and the InvalidRequestError when that was the reason."""
+
+    def __init__(self, code: str, message: str, invalid: InvalidRequestError | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.invalid = code, message, invalid
+
+
 def new_seed() -> int:
     return random.getrandbits(63)
 
@@ -78,24 +87,35 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _submit(self, params: pb.GenerationParams, context: grpc.aio.ServicerContext
                       ) -> tuple[ServingState, RequestHandle, RequestRecord]:
         state = await self._serving(context)
-        code, message = grpc.StatusCode.UNAVAILABLE, self.refusing
+        try:
+            handle, record, _ = await self.admit(state, params, context.time_remaining())
+        except RequestRefused as refused:
+            await context.abort(grpc.StatusCode[refused.code], refused.message)
+            raise AssertionError("unreachable") from None
+        return state, handle, record
+
+    async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None
+                    ) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
+        """Validate, submit and track one request: the one path of every door
+        (gRPC, the OpenAI door). A refusal is counted and logged, then raised
+        as ``RequestRefused``; ``time_remaining`` is the caller's deadline."""
+        code, message, invalid = "UNAVAILABLE", self.refusing, None
         try:
             if message is None:
                 validated = await self.validate(state, params)
-                handle = state.engine.submit(validated, context.time_remaining())
+                handle = state.engine.submit(validated, time_remaining)
                 record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
                                             _prompt_for_log(params) if self.metrics.log_prompts else None)
-                return state, handle, record
+                return handle, record, validated
         except InvalidRequestError as exc:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+            code, message, invalid = "INVALID_ARGUMENT", str(exc), exc
         except QueueFullError as exc:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+            code, message = "RESOURCE_EXHAUSTED", str(exc)
         except EngineUnavailableError as exc:
             message = str(exc)
-        self.metrics.request_failure.labels(code=code.name).inc()
-        request_log.info("request %s: rejected %s (%s)", params.request_id or "-", code.name, message)
-        await context.abort(code, message)
-        raise AssertionError("unreachable")
+        self.metrics.request_failure.labels(code=code).inc()
+        request_log.info("request %s: rejected %s (%s)", params.request_id or "-", code, message)
+        raise RequestRefused(code, message, invalid)
 
     async def validate(self, state: ServingState, params: pb.GenerationParams) -> ValidatedRequest:
         """Every rule of ``validate_generation``, then the response format's
