@@ -125,26 +125,33 @@ class _Inbox:
             _send_error(self.push, 0, f"undecodable scheduler message: {err}")
             return None
 
-    def wait_for_masks(self, step_id: int) -> engine_pb2.StepMasks:
-        """The next masks a step can use (``runner.MaskSource``; the runner checks
-        their step id). Plans are queued meanwhile; a Shutdown raises ``_ShutdownRequested``."""
+    def next(self) -> tuple[engine_pb2.SchedulerMessage, str, float]:
+        """The next message of a known kind, its kind and when it came (heartbeats
+        sent while none comes; a message of no known kind is answered with an error)."""
         while True:
             got = self.receive()
             if got is None:
                 continue
             message, received = got
             kind = message.WhichOneof("kind")
+            if kind in ("plan", "shutdown", "masks"):
+                return message, kind, received
+            _send_error(self.push, 0, f"scheduler message without a known kind ({kind})")
+
+    def wait_for_masks(self, step_id: int) -> engine_pb2.StepMasks:
+        """The next masks a step can use (``runner.MaskSource``; the runner checks
+        their step id). Plans are queued meanwhile; a Shutdown raises ``_ShutdownRequested``."""
+        while True:
+            message, kind, received = self.next()
             if kind == "plan":
                 self.queued.append((message.plan, received))
             elif kind == "shutdown":
                 raise _ShutdownRequested()
-            elif kind == "masks" and message.masks.step_id in self.unread_masks:
+            elif message.masks.step_id in self.unread_masks:
                 self.unread_masks.discard(message.masks.step_id)   # stale: its step is over
-            elif kind == "masks":
+            else:
                 self.masks_read = message.masks.step_id
                 return message.masks
-            else:
-                _send_error(self.push, 0, f"scheduler message without a known kind ({kind})")
 
     def drop_masks(self, masks: engine_pb2.StepMasks) -> None:
         """Masks that came while no step waited for any."""
@@ -160,19 +167,12 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # t
         if inbox.queued:
             plan, received = inbox.queued.popleft()
         else:
-            got = inbox.receive()
-            if got is None:
-                continue
-            message, received = got
-            kind = message.WhichOneof("kind")
+            message, kind, received = inbox.next()
             if kind == "shutdown":
                 logger.info("shutdown requested")
                 return 0
             if kind == "masks":
                 inbox.drop_masks(message.masks)
-                continue
-            if kind != "plan":
-                _send_error(push, 0, f"scheduler message without a known kind ({kind})")
                 continue
             plan = message.plan
         inbox.masks_read = None
