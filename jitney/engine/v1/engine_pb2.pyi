@@ -11,8 +11,10 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
+PROTOCOL_VERSION_2: ProtocolVersion
 
 class SamplingConfig(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias_ids", "logit_bias_values", "min_tokens", "min_tokens_banned_ids", "top_logprobs", "prompt_logprobs", "num_prompt_tokens")
@@ -77,16 +79,18 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ..., masked: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks")
+    __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks", "reset")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     freed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     chunks: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
-    def __init__(self, step_id: _Optional[int] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ...) -> None: ...
+    reset: bool
+    def __init__(self, step_id: _Optional[int] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class StepMasks(_message.Message):
     __slots__ = ("step_id", "seq_ids", "bitmask")
@@ -103,14 +107,16 @@ class Shutdown(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("plan", "shutdown", "masks")
+    __slots__ = ("plan", "shutdown", "masks", "incarnation")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     MASKS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     plan: StepPlan
     shutdown: Shutdown
     masks: StepMasks
-    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., masks: _Optional[_Union[StepMasks, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant")
@@ -183,12 +189,14 @@ class PromptLogprobs(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepError(_message.Message):
-    __slots__ = ("step_id", "message")
+    __slots__ = ("step_id", "message", "discarded")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     message: str
-    def __init__(self, step_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    discarded: bool
+    def __init__(self, step_id: _Optional[int] = ..., message: _Optional[str] = ..., discarded: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("worker_pid",)
@@ -197,13 +205,15 @@ class Heartbeat(_message.Message):
     def __init__(self, worker_pid: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("ready", "result", "error", "heartbeat")
+    __slots__ = ("ready", "result", "error", "heartbeat", "incarnation")
     READY_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ready: Ready
     result: StepResult
     error: StepError
     heartbeat: Heartbeat
-    def __init__(self, ready: _Optional[_Union[Ready, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, ready: _Optional[_Union[Ready, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
