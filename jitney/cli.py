@@ -2,7 +2,8 @@
 
 ``serve``, ``scheduler`` and ``worker`` run ``jitney.scheduler`` and
 ``jitney.worker``; ``generate``, ``health`` and ``bench`` are
-``jitney.client``'s; ``plot`` draws step traces (``jitney.scheduler.plot``).
+``jitney.client``'s; ``plot`` draws step traces (``jitney.scheduler.plot``);
+``keys`` writes the link's Curve keys (``jitney.common.zmq_security``).
 The client's small command module is imported at start; the scheduler and
 the worker only inside the function that runs them, so the client library
 never pulls in the server's code.
@@ -47,12 +48,40 @@ def _plot_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
                       help="column title (repeat once per trace; default: file names)")
 
 
+def _keys_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    keys = sub.add_parser("keys", help="generate CurveZMQ keys for the scheduler<->worker link")
+    keys.add_argument("--out", type=Path, required=True, metavar="DIR",
+                      help="folder to write server.key, server.key_secret, worker.key, worker.key_secret "
+                           "to (created mode 0700; secret files 0600)")
+    keys.add_argument("--split", action="store_true",
+                      help="write the scheduler's files to DIR/scheduler and the worker's to DIR/worker, "
+                           "so that neither side holds the other's secret")
+    keys.add_argument("--if-missing", action="store_true",
+                      help="keep a complete existing set and exit 0 (default: existing keys are an error)")
+
+
+def _run_keys(ns: argparse.Namespace) -> int:
+    from jitney.common.zmq_security import LinkSecurityError, generate_keys
+
+    try:
+        written = generate_keys(ns.out, split=ns.split, if_missing=ns.if_missing)
+    except (LinkSecurityError, OSError) as exc:
+        print(f"jitney keys: {exc}", file=sys.stderr)
+        return 1
+    if not written:
+        print(f"jitney keys: a complete set already exists in {ns.out}; kept it")
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jitney", description="Jitney: an in-flight batching LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _server_parsers(sub)
     add_client_parsers(sub)
     _plot_parser(sub)
+    _keys_parser(sub)
     return parser
 
 
@@ -73,11 +102,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give --title once per trace, or not at all")
         plot(ns.traces, ns.output, ns.title)
         return 0
+    if ns.command == "keys":
+        return _run_keys(ns)
     if (ns.command in ("serve", "scheduler") and None not in (ns.max_num_batched_tokens, ns.max_num_seqs)
             and ns.max_num_batched_tokens < ns.max_num_seqs):
         parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
                      f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")
     _configure_logging(ns.log_level)
+    from jitney.common.zmq_security import LinkSecurityError
+
+    try:
+        return _run_server_command(parser, ns)
+    except LinkSecurityError as exc:     # unsafe or unusable link keys / endpoints: no start
+        print(f"jitney {ns.command}: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.command == "scheduler":
         from jitney.scheduler.main import SchedulerProcessConfig, run_scheduler
 

@@ -26,6 +26,8 @@ from jitney.scheduler.admission import AdmissionLimits
 from jitney.scheduler.config import SchedulerConfig, SchedulingPolicy
 from jitney.scheduler.engine import Engine
 from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.common.zmq_security import (ServerKeys, add_link_security_arguments, check_endpoint,
+                                         load_server_keys)
 from jitney.scheduler.server import GenerationServicer
 from jitney.scheduler.serving import Lifecycle, add_production_arguments, production_fields
 from jitney.scheduler.trace import StepTracer
@@ -59,12 +61,15 @@ class SchedulerProcessConfig:
     metrics_port: int = 0                # Prometheus /metrics on host:port; 0 = off
     log_prompts: bool = False            # put prompts in the per-request log line
     openai_port: int = 0                 # OpenAI-compatible HTTP API on host:port; 0 = off
+    curve_keys: str | None = None        # folder of the link's Curve keys (jitney.common.zmq_security)
+    insecure_plaintext_zmq: bool = False  # allow a tcp:// link without keys
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
         return cls(ns.model, ns.host, ns.port, ns.max_num_seqs, ns.max_num_batched_tokens,
                    ns.policy, ns.plan_addr, ns.result_addr, ns.trace,
-                   not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port)
+                   not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port,
+                   curve_keys=ns.curve_keys, insecure_plaintext_zmq=ns.insecure_plaintext_zmq)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: bool = True) -> None:
@@ -91,6 +96,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     if with_shared:
         parser.add_argument("--plan-addr", default="tcp://0.0.0.0:5557", help="ZeroMQ endpoint to bind for step plans")
         parser.add_argument("--result-addr", default="tcp://0.0.0.0:5558", help="ZeroMQ endpoint to bind for step results")
+        add_link_security_arguments(parser)
 
 
 def _positive(text: str) -> int:
@@ -115,6 +121,7 @@ def _port_or_off(text: str) -> int:
 
 
 async def serve(cfg: SchedulerProcessConfig) -> int:
+    curve_keys = _link_keys(cfg)     # before anything binds: a LinkSecurityError stops the start
     servicer = GenerationServicer()
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(options=[
@@ -137,7 +144,8 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
         servicer.metrics.serve_http(cfg.host, cfg.metrics_port)
         print(f"jitney: metrics on http://{cfg.host}:{cfg.metrics_port}/metrics", flush=True)
     servicer.metrics.log_prompts = cfg.log_prompts
-    link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout)
+    link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout,
+                      curve_keys=curve_keys, insecure_plaintext=cfg.insecure_plaintext_zmq)
     # One trace for the process: engines of restarted workers append to it.
     tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
     stop, drain = asyncio.Event(), asyncio.Event()
@@ -174,6 +182,14 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
         link.close()
         if tracer is not None:
             tracer.close()
+
+
+def _link_keys(cfg: SchedulerProcessConfig) -> ServerKeys | None:
+    """The link's Curve keys (None without --curve-keys), once the endpoints are known to be allowed."""
+    keys = load_server_keys(cfg.curve_keys) if cfg.curve_keys else None
+    for endpoint in (cfg.plan_addr, cfg.result_addr):
+        check_endpoint(endpoint, have_keys=keys is not None, insecure_plaintext=cfg.insecure_plaintext_zmq)
+    return keys
 
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,

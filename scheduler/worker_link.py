@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError
 
+from jitney.common.zmq_security import LinkServer, ServerKeys
 from jitney.engine.v1 import engine_pb2
 
 log = logging.getLogger("jitney.scheduler")
@@ -56,15 +57,20 @@ class WorkerLostError(RuntimeError):
 class WorkerLink:
     """Typed, async send/receive of engine messages, with worker liveness."""
 
-    def __init__(self, plan_addr: str, result_addr: str, *, worker_timeout: float = 30.0) -> None:
+    def __init__(self, plan_addr: str, result_addr: str, *, worker_timeout: float = 30.0,
+                 curve_keys: ServerKeys | None = None, insecure_plaintext: bool = False) -> None:
         self._ctx = zmq.asyncio.Context()
+        # Curve server + allow-list (jitney.common.zmq_security); checks each endpoint.
+        self._security = LinkServer(self._ctx, curve_keys, insecure_plaintext=insecure_plaintext)
         self._plans = self._ctx.socket(zmq.PUSH)
         self._results = self._ctx.socket(zmq.PULL)
         for sock in (self._plans, self._results):
             sock.setsockopt(zmq.LINGER, 0)
         self._plans.setsockopt(zmq.IMMEDIATE, 1)   # never queue a plan for no one
         self._results.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._security.prepare(self._plans, plan_addr)
         self._plans.bind(plan_addr)
+        self._security.prepare(self._results, result_addr)
         self._results.bind(result_addr)
         self.plan_addr = plan_addr
         self.result_addr = result_addr
@@ -170,6 +176,7 @@ class WorkerLink:
             self._pump_task.cancel()
         self._plans.close(0)
         self._results.close(0)
+        self._security.close()
         self._ctx.term()
 
     # -- internals ---------------------------------------------------------

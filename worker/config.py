@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from jitney.common.zmq_security import add_link_security_arguments
+
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 Device = Literal["cpu", "cuda"]
 
@@ -47,6 +49,12 @@ class WorkerConfig:
         (step plans come in here). ``None`` only until the launcher fills it.
       result_addr: ZeroMQ endpoint the worker connects its PUSH socket to
         (Ready, step results and errors go out here).
+      curve_keys: folder holding ``worker.key_secret`` and ``server.key``
+        (``jitney keys``; ``jitney.common.zmq_security``): the link runs
+        CurveZMQ, encrypted and authenticated both ways. ``None``: no keys,
+        allowed only on ``ipc://`` in a private folder, or with
+        ``insecure_plaintext_zmq``.
+      insecure_plaintext_zmq: allow a ``tcp://`` link without keys.
       threads: torch intra-op threads; ``None`` keeps torch's default.
       max_model_len: cap on the context length (prompt + output tokens);
         ``None`` means the model's own limit.
@@ -71,6 +79,8 @@ class WorkerConfig:
     max_num_seqs: int | None = None
     plan_addr: str | None = None
     result_addr: str | None = None
+    curve_keys: str | None = None
+    insecure_plaintext_zmq: bool = False
     threads: int | None = None
     max_model_len: int | None = None
     attention_backend: AttentionBackendName = "auto"
@@ -170,6 +180,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="ZeroMQ endpoint to pull step plans from (connect)")
     group.add_argument("--result-addr", dest="result_addr", default=None,
                        help="ZeroMQ endpoint to push results to (connect)")
+    add_link_security_arguments(group)
     group.add_argument("--threads", type=_positive_int, default=None,
                        help="torch intra-op threads (default: torch's choice)")
     group.add_argument("--max-model-len", dest="max_model_len", type=_positive_int, default=None,

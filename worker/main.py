@@ -29,6 +29,7 @@ from types import FrameType
 import zmq
 from google.protobuf.message import DecodeError
 
+from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.config import WorkerConfig, add_worker_arguments
 from jitney.worker.plan import PlanError
@@ -76,6 +77,7 @@ def run_worker(config: WorkerConfig) -> int:
     """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0)."""
     if config.plan_addr is None or config.result_addr is None:
         raise ValueError("plan_addr and result_addr must be set")
+    keys = load_client_keys(config.curve_keys) if config.curve_keys else None
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     push = context.socket(zmq.PUSH)
@@ -84,7 +86,9 @@ def run_worker(config: WorkerConfig) -> int:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(hwm, SOCKET_HWM)
         pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        client_side(pull, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
         pull.connect(config.plan_addr)
+        client_side(push, config.result_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
         push.connect(config.result_addr)
         with _sigterm_exits():
             runner = ModelRunner(config)

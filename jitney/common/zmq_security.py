@@ -202,8 +202,6 @@ def check_endpoint(endpoint: str, *, have_keys: bool, insecure_plaintext: bool) 
     scheme = endpoint.split("://", 1)[0]
     if scheme not in LOCAL_TRANSPORTS:
         if insecure_plaintext:
-            log.warning("the link on %s is unauthenticated and unencrypted (--insecure-plaintext-zmq): "
-                        "anyone who reaches it can read prompts and forge results", endpoint)
             return
         raise LinkSecurityError(
             f"{endpoint} would carry the scheduler<->worker link over the network without "
@@ -211,6 +209,13 @@ def check_endpoint(endpoint: str, *, have_keys: bool, insecure_plaintext: bool) 
             "to both (only on a network you trust)")
     if scheme == "ipc" and not insecure_plaintext:
         _check_ipc_folder(endpoint)
+
+
+def _prepare(endpoint: str, have_keys: bool, insecure_plaintext: bool) -> None:
+    check_endpoint(endpoint, have_keys=have_keys, insecure_plaintext=insecure_plaintext)
+    if not have_keys and endpoint.split("://", 1)[0] not in LOCAL_TRANSPORTS:
+        log.warning("the link on %s is unauthenticated and unencrypted (--insecure-plaintext-zmq): "
+                    "anyone who reaches it can read prompts and forge results", endpoint)
 
 
 def _check_ipc_folder(endpoint: str) -> None:
@@ -256,7 +261,7 @@ class LinkServer:
             self._auth.configure_curve_callback("*", _AllowList(keys.trusted_workers))
 
     def prepare(self, sock: zmq.Socket, endpoint: str) -> None:  # type: ignore[type-arg]
-        check_endpoint(endpoint, have_keys=self.keys is not None, insecure_plaintext=self.insecure_plaintext)
+        _prepare(endpoint, self.keys is not None, self.insecure_plaintext)
         if self.keys is not None:
             sock.curve_server = True
             sock.curve_publickey = self.keys.public
@@ -296,7 +301,7 @@ def client_side(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None,  # typ
     a wrong server key), which would otherwise look like a scheduler that never
     answers; it ends when the socket's context is terminated.
     """
-    check_endpoint(endpoint, have_keys=keys is not None, insecure_plaintext=insecure_plaintext)
+    _prepare(endpoint, keys is not None, insecure_plaintext)
     if keys is None:
         return
     sock.curve_serverkey = keys.server_public
