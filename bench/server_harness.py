@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jitney.client.channel import TlsFiles, open_channel
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 
@@ -33,12 +34,14 @@ class Server:
     target: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    tls: TlsFiles | None = None          # how to reach it (None: plaintext)
+    api_key: str | None = field(default=None, repr=False)
     _channel: grpc.Channel | None = field(default=None, repr=False)
 
     def stub(self) -> pb_grpc.GenerationServiceStub:
         """A stub on the server's one shared channel (opened on first use, closed with the server)."""
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.target)
+            self._channel = open_channel(self.target, tls=self.tls, api_key=self.api_key)
         return pb_grpc.GenerationServiceStub(self._channel)
 
     def close(self) -> None:
@@ -53,8 +56,8 @@ class Server:
         return self.stub().GetServerStats(pb.GetServerStatsRequest(), timeout=10)
 
 
-def health_status(target: str, timeout: float = 2.0) -> int | None:
-    with grpc.insecure_channel(target) as channel:
+def health_status(target: str, timeout: float = 2.0, tls: TlsFiles | None = None) -> int | None:
+    with open_channel(target, tls=tls) as channel:
         try:
             return health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout).status
@@ -65,11 +68,14 @@ def health_status(target: str, timeout: float = 2.0) -> int | None:
 @contextmanager
 def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
                    wait_serving: bool = True, startup_timeout: float = 240.0,
-                   python: str = sys.executable) -> Iterator[Server]:
+                   python: str = sys.executable, tls: TlsFiles | None = None,
+                   api_key: str | None = None) -> Iterator[Server]:
     """Run `jitney <command> --port P <args>` until the block ends.
 
     ``python``: the interpreter whose ``jitney`` runs (another build's, to
     compare); it runs outside this checkout, whose ``jitney/`` would shadow its own.
+    ``tls`` / ``api_key``: how the harness reaches a server started with
+    ``--tls-cert`` / ``--api-key-file`` in ``args`` (health needs no key).
     """
     port = free_port()
     log_path = log_dir / f"jitney-{command}-{port}.log"
@@ -78,7 +84,7 @@ def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=ROOT if python == sys.executable else log_dir,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(f"127.0.0.1:{port}", proc, log_path)
+    server = Server(f"127.0.0.1:{port}", proc, log_path, tls, api_key)
     try:
         if wait_serving:
             _wait_serving(server, startup_timeout)
@@ -93,7 +99,7 @@ def _wait_serving(server: Server, timeout: float) -> None:
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()}")
-        if health_status(server.target, 1.0) == health_pb2.HealthCheckResponse.SERVING:
+        if health_status(server.target, 1.0, server.tls) == health_pb2.HealthCheckResponse.SERVING:
             return
         time.sleep(0.3)
     raise TimeoutError(f"server not SERVING after {timeout} s:\n{server.log()}")

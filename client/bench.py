@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from jitney.client.channel import TlsFiles, open_aio_channel
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 
@@ -82,11 +83,12 @@ async def _run_one(stub: pb_grpc.GenerationServiceStub, item: WorkItem, t0: floa
 
 
 async def replay(target: str, items: list[WorkItem], max_concurrency: int | None,
-                 show_progress: bool = True) -> tuple[list[Outcome], float]:
+                 show_progress: bool = True, *, tls: TlsFiles | None = None,
+                 api_key: str | None = None) -> tuple[list[Outcome], float]:
     from tqdm import tqdm
 
     limit = asyncio.Semaphore(max_concurrency or len(items) or 1)
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with open_aio_channel(target, tls=tls, api_key=api_key) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)  # fail fast if not serving
         with tqdm(total=len(items), desc="requests", unit="req", disable=not show_progress,
@@ -143,9 +145,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def run_bench(target: str, workload: Path, json_out: Path | None, max_concurrency: int | None,
-              show_progress: bool = True) -> int:
+              show_progress: bool = True, *, tls: TlsFiles | None = None, api_key: str | None = None) -> int:
     items = load_workload(workload)
-    outcomes, wall = asyncio.run(replay(target, items, max_concurrency, show_progress))
+    outcomes, wall = asyncio.run(replay(target, items, max_concurrency, show_progress,
+                                        tls=tls, api_key=api_key))
     summary = summarize(outcomes, wall)
     print(format_table(summary))
     for o in outcomes:

@@ -13,11 +13,47 @@ from pathlib import Path
 
 import grpc
 
+from jitney.client.channel import API_KEY_ENV, TlsFiles, api_key_from, open_channel
+
+
+def _connection_arguments(parser: argparse.ArgumentParser, *, api_key: bool = True) -> None:
+    """--target, TLS and (unless health) the API key: the same for every command."""
+    parser.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    g = parser.add_argument_group("connection security")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS, verified with the system's CA roots (implied by --tls-*)")
+    g.add_argument("--tls-ca", default=None, metavar="FILE", help="PEM CA certificates that verify the server")
+    g.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM client certificate, for a server that requires one (with --tls-key)")
+    g.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    if api_key:
+        g.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"API key sent as `authorization: Bearer KEY` (default: ${API_KEY_ENV}; "
+                            "the variable keeps it out of the process list)")
+
+
+def _tls(ns: argparse.Namespace) -> TlsFiles | None:
+    """The TLS settings of the flags (None: plaintext). Raises ValueError."""
+    if (ns.tls_cert is None) != (ns.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    if not (ns.tls or ns.tls_ca or ns.tls_cert):
+        return None
+    return TlsFiles(ns.tls_ca, ns.tls_cert, ns.tls_key)
+
+
+def _connect(ns: argparse.Namespace) -> tuple[TlsFiles | None, str | None]:
+    """TLS settings with their files read once (an error here, not at the first call),
+    and the API key. Raises ValueError or OSError."""
+    tls = _tls(ns)
+    if tls is not None:
+        tls.credentials()
+    return tls, api_key_from(getattr(ns, "api_key", None))
+
 
 def _generate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    _connection_arguments(gen)
     gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
@@ -48,15 +84,16 @@ def _generate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
 
 
 def _health_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    health = sub.add_parser("health", help="exit 0 when the server reports SERVING (for probes)")
-    health.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    health = sub.add_parser("health", help="exit 0 when the server reports SERVING (for probes; "
+                                           "health needs no API key, over TLS too)")
+    _connection_arguments(health, api_key=False)
     health.add_argument("--timeout", type=float, default=3.0)
 
 
-def cmd_health(ns: argparse.Namespace) -> int:
+def cmd_health(ns: argparse.Namespace, tls: TlsFiles | None) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(ns.target) as channel:
+    with open_channel(ns.target, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=ns.timeout)
@@ -70,14 +107,14 @@ def cmd_health(ns: argparse.Namespace) -> int:
 
 def _bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     bench = sub.add_parser("bench", help="replay a workload (JSONL) against a running server")
-    bench.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    _connection_arguments(bench)
     bench.add_argument("--workload", type=Path, required=True, help="JSONL file, one request a line")
     bench.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     bench.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
+def cmd_generate(ns: argparse.Namespace, tls: TlsFiles | None, api_key: str | None) -> int:
     from jitney.client.client import FINISH_REASON_NAMES, JitneyClient, Sampling, make_params, response_format
 
     try:
@@ -98,7 +135,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     samples: list[dict] = [{"index": i, "text": "", "token_ids": [], "finish_reason": "unspecified"}
                            for i in range(n)]
     last = None
-    with JitneyClient(ns.target) as client:
+    with JitneyClient(ns.target, tls=tls, api_key=api_key) as client:
         try:
             for msg in client.generate_stream(params, timeout=ns.timeout):
                 sample = samples[msg.sample_index]
@@ -141,13 +178,19 @@ def _text_or_file(value: str | None) -> str | None:
 
 def run(ns: argparse.Namespace) -> int:
     """Run the client subcommand ``ns.command`` (generate, health or bench)."""
+    try:
+        tls, api_key = _connect(ns)
+    except (ValueError, OSError) as exc:
+        print(f"jitney {ns.command}: {exc}", file=sys.stderr)
+        return 2
     if ns.command == "generate":
-        return cmd_generate(ns)
+        return cmd_generate(ns, tls, api_key)
     if ns.command == "health":
-        return cmd_health(ns)
+        return cmd_health(ns, tls)
     from jitney.client.bench import run_bench
 
-    return run_bench(ns.target, ns.workload, ns.json, ns.max_concurrency, not ns.no_progress)
+    return run_bench(ns.target, ns.workload, ns.json, ns.max_concurrency, not ns.no_progress,
+                     tls=tls, api_key=api_key)
 
 
 def add_client_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

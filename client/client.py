@@ -10,6 +10,7 @@ import grpc
 
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.client.channel import TlsFiles, open_channel
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_LENGTH: "length",
@@ -97,10 +98,12 @@ def make_params(prompt: str | Sequence[int] | Sequence[tuple[str, str]], *, chat
 
 
 class JitneyClient:
-    """Blocking client over one gRPC channel."""
+    """Blocking client over one gRPC channel: plaintext, or TLS with ``tls``;
+    ``api_key`` goes with every call (``authorization: Bearer KEY``)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051") -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str = "127.0.0.1:50051", *, tls: TlsFiles | None = None,
+                 api_key: str | None = None) -> None:
+        self.channel = open_channel(target, tls=tls, api_key=api_key)
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     def generate_stream(self, params: pb.GenerationParams,
@@ -112,6 +115,9 @@ class JitneyClient:
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    def server_stats(self, timeout: float | None = None) -> pb.GetServerStatsResponse:
+        return self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout)
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the channel connects (not until the worker is ready)."""
@@ -125,3 +131,4 @@ class JitneyClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

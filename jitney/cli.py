@@ -85,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _security_problem(ns: argparse.Namespace) -> str | None:
+    """Why the TLS / API-key flags cannot be used (files read and checked), before
+    any process starts; None when they can."""
+    from jitney.scheduler.security import SecurityError, load_security, security_fields
+
+    try:
+        load_security(**security_fields(ns))
+    except SecurityError as exc:
+        return str(exc)
+    return None
+
+
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -108,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             and ns.max_num_batched_tokens < ns.max_num_seqs):
         parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
                      f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")
+    if ns.command in ("serve", "scheduler") and (problem := _security_problem(ns)):
+        print(f"jitney {ns.command}: {problem}", file=sys.stderr, flush=True)
+        return 2
     _configure_logging(ns.log_level)
     from jitney.common.zmq_security import LinkSecurityError
 

@@ -23,12 +23,16 @@ from jitney.engine.v1 import engine_pb2
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.admission import AdmissionLimits
+from jitney.scheduler.auth import ApiKeyInterceptor, KeyLimiter
 from jitney.scheduler.config import SchedulerConfig, SchedulingPolicy
 from jitney.scheduler.engine import Engine
+from jitney.scheduler.metrics import request_log
 from jitney.common.model_files import load_tokenizer, resolve_model
 from jitney.common.zmq_security import (ServerKeys, add_link_security_arguments, check_endpoint,
                                          load_server_keys)
 from jitney.scheduler.server import GenerationServicer
+from jitney.scheduler.security import (SecurityError, ServerSecurity, add_security_arguments,
+                                       exposure_warning, load_security, security_fields)
 from jitney.scheduler.serving import Lifecycle, add_production_arguments, production_fields
 from jitney.scheduler.trace import StepTracer
 from jitney.scheduler.worker_link import WorkerLink
@@ -61,6 +65,11 @@ class SchedulerProcessConfig:
     metrics_port: int = 0                # Prometheus /metrics on host:port; 0 = off
     log_prompts: bool = False            # put prompts in the per-request log line
     openai_port: int = 0                 # OpenAI-compatible HTTP API on host:port; 0 = off
+    tls_cert: str | None = None          # PEM certificate chain: TLS on both doors (with tls_key)
+    tls_key: str | None = None           # PEM private key of tls_cert
+    tls_client_ca: str | None = None     # PEM CA that client certificates must chain to (mTLS)
+    api_key_file: str | None = None      # keys that calls must bear (scheduler/security.py)
+    max_requests_per_key: int | None = None  # generation requests in flight per key; None = any
     curve_keys: str | None = None        # folder of the link's Curve keys (jitney.common.zmq_security)
     insecure_plaintext_zmq: bool = False  # allow a tcp:// link without keys
 
@@ -69,7 +78,13 @@ class SchedulerProcessConfig:
         return cls(ns.model, ns.host, ns.port, ns.max_num_seqs, ns.max_num_batched_tokens,
                    ns.policy, ns.plan_addr, ns.result_addr, ns.trace,
                    not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port,
-                   curve_keys=ns.curve_keys, insecure_plaintext_zmq=ns.insecure_plaintext_zmq)
+                   curve_keys=ns.curve_keys, insecure_plaintext_zmq=ns.insecure_plaintext_zmq,
+                   **security_fields(ns))
+
+    def load_security(self) -> tuple[ServerSecurity, list[str]]:
+        """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
+        return load_security(self.tls_cert, self.tls_key, self.tls_client_ca, self.api_key_file,
+                             self.max_requests_per_key)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: bool = True) -> None:
@@ -93,6 +108,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     add_production_arguments(parser)
+    add_security_arguments(parser)
     if with_shared:
         parser.add_argument("--plan-addr", default="tcp://0.0.0.0:5557", help="ZeroMQ endpoint to bind for step plans")
         parser.add_argument("--result-addr", default="tcp://0.0.0.0:5558", help="ZeroMQ endpoint to bind for step results")
@@ -120,25 +136,33 @@ def _port_or_off(text: str) -> int:
     return value
 
 
-async def serve(cfg: SchedulerProcessConfig) -> int:
+async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = None,
+                drain: asyncio.Event | None = None) -> int:
+    """Run the scheduler process until stopped. ``stop`` / ``drain`` stand for
+    SIGINT / SIGTERM; when given, no signal handler is installed (in-process tests)."""
+    try:
+        security, warnings = cfg.load_security()
+    except SecurityError as exc:
+        print(f"jitney: {exc}", file=sys.stderr, flush=True)
+        return 2
+    exposed = exposure_warning(cfg.host, security)
+    for warning in [*warnings, *([exposed] if exposed else [])]:
+        print(f"jitney: warning: {warning}", file=sys.stderr, flush=True)
     curve_keys = _link_keys(cfg)     # before anything binds: a LinkSecurityError stops the start
-    servicer = GenerationServicer()
+    servicer = GenerationServicer(api_keys=security.keys is not None,
+                                  key_limits=KeyLimiter(security.max_requests_per_key))
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
-    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    server = _grpc_server(servicer, health_servicer, security)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    if server.add_insecure_port(address) == 0:
+    bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
+             else server.add_insecure_port(address))
+    if bound == 0:
         print(f"jitney: cannot listen on {address}", file=sys.stderr, flush=True)
         return 1
     await server.start()
-    print(f"jitney: gRPC listening on {address} (waiting for the worker)", flush=True)
+    print(f"jitney: gRPC listening on {address} ({_door_security(security)}; waiting for the worker)",
+          flush=True)
 
     if cfg.metrics_port:
         servicer.metrics.serve_http(cfg.host, cfg.metrics_port)
@@ -148,25 +172,28 @@ async def serve(cfg: SchedulerProcessConfig) -> int:
                       curve_keys=curve_keys, insecure_plaintext=cfg.insecure_plaintext_zmq)
     # One trace for the process: engines of restarted workers append to it.
     tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
-    stop, drain = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, stop.set)     # end now
-    loop.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
+    if stop is None or drain is None:
+        stop, drain = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, stop.set)     # end now
+        loop.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
     openai_server = None
     try:
         if cfg.openai_port:
             # Imported only when asked for: aiohttp stays out of a plain gRPC server.
             from jitney.scheduler.openai_api import OpenAIServer
 
-            openai_server = OpenAIServer(servicer)
+            openai_server = OpenAIServer(servicer, security.keys)
             try:
-                await openai_server.start(cfg.host, cfg.openai_port)
+                await openai_server.start(cfg.host, cfg.openai_port,
+                                          security.tls.ssl_context() if security.tls else None)
             except OSError as exc:
                 openai_server = None
                 print(f"jitney: cannot listen on {cfg.host}:{cfg.openai_port} (OpenAI API): {exc}",
                       file=sys.stderr, flush=True)
                 return 1
-            print(f"jitney: OpenAI-compatible API on http://{cfg.host}:{cfg.openai_port}/v1",
+            scheme = "https" if security.tls else "http"
+            print(f"jitney: OpenAI-compatible API on {scheme}://{cfg.host}:{cfg.openai_port}/v1",
                   flush=True)
         files = resolve_model(cfg.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, files)
@@ -190,6 +217,36 @@ def _link_keys(cfg: SchedulerProcessConfig) -> ServerKeys | None:
     for endpoint in (cfg.plan_addr, cfg.result_addr):
         check_endpoint(endpoint, have_keys=keys is not None, insecure_plaintext=cfg.insecure_plaintext_zmq)
     return keys
+
+
+def _grpc_server(servicer: GenerationServicer, health_servicer: health.aio.HealthServicer,
+                 security: ServerSecurity) -> grpc.aio.Server:
+    """The gRPC server with its three services; with API keys, their interceptor."""
+    interceptors = []
+    if security.keys is not None:
+        def refused(method: str, peer: str, why: str) -> None:
+            servicer.metrics.failure("UNAUTHENTICATED")
+            request_log.info("call %s from %s: rejected UNAUTHENTICATED (%s)", method, peer, why)
+
+        interceptors.append(ApiKeyInterceptor(security.keys, refused))
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server
+
+
+def _door_security(security: ServerSecurity) -> str:
+    tls = "plaintext" if security.tls is None else (
+        "mutual TLS" if security.tls.client_ca is not None else "TLS")
+    if security.keys is None:
+        return tls
+    limit = f", at most {security.max_requests_per_key} in flight each" if security.max_requests_per_key else ""
+    return f"{tls}, {len(security.keys.names)} API keys{limit}"
 
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,

@@ -13,8 +13,14 @@ global one, so several servers can run in one test process.
                 and the step loop (step duration, batch size)
 
 One line per request goes to the ``jitney.requests`` logger when it ends:
-id, tokens in/out, time to first token, total time, finish reason or error.
-The prompt text is logged only with ``--log-prompts``.
+id, the API key's name (with ``--api-key-file``), tokens in/out, time to
+first token, total time, finish reason or error. The prompt text is logged
+only with ``--log-prompts``; a key itself never is.
+
+With API keys (``key_label``) the request counters (success, failure, prompt
+and generation tokens) carry a ``key`` label: the key's name, "" for calls
+without a valid key. Names are bounded by the key file; the histograms have
+no such label (latency is the server's, and buckets times keys adds up).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class Metrics:
     """The process's metrics; ``engine()`` returns the serving Engine or None."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(self, engine: Callable[[], Any], *, key_label: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self.key_label = key_label
         r = self.registry
+        key = ["key"] if key_label else []
         self.ttft = Histogram("jitney:time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("jitney:inter_token_latency_seconds", "Time between two tokens.",
@@ -55,13 +63,13 @@ class Metrics:
         self.batch_size = Histogram("jitney:batch_size", "Sequences scheduled in one step.",
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.prompt_tokens = Counter("jitney:prompt_tokens", "Prompt tokens of admitted requests.",
-                                     registry=r)
+                                     key, registry=r)
         self.generation_tokens = Counter("jitney:generation_tokens", "Tokens generated.",
-                                         registry=r)
+                                         key, registry=r)
         self.request_success = Counter("jitney:request_success", "Requests finished normally.",
-                                       ["finished_reason"], registry=r)
+                                       ["finished_reason", *key], registry=r)
         self.request_failure = Counter("jitney:request_failure",
-                                       "Requests ended by a gRPC error status.", ["code"],
+                                       "Requests ended by a gRPC error status.", ["code", *key],
                                        registry=r)
         self.state = StateCollector(engine)
         r.register(self.state)
@@ -71,10 +79,20 @@ class Metrics:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
         return start_http_server(port, addr=host, registry=self.registry)
 
-    def track(self, request_id: str, prompt_tokens: int, prompt: object = None) -> "RequestRecord":
-        self.prompt_tokens.inc(prompt_tokens)
+    def labelled(self, counter: Counter, key: str | None, **labels: str) -> Counter:
+        """``counter``'s child for ``labels``, and the key's name when keys are on."""
+        if self.key_label:
+            labels["key"] = key or ""
+        return counter.labels(**labels) if labels else counter
+
+    def failure(self, code: str, key: str | None = None) -> None:
+        self.labelled(self.request_failure, key, code=code).inc()
+
+    def track(self, request_id: str, prompt_tokens: int, prompt: object = None,
+              key: str | None = None) -> "RequestRecord":
+        self.labelled(self.prompt_tokens, key).inc(prompt_tokens)
         return RequestRecord(self, request_id, prompt_tokens,
-                             prompt if self.log_prompts else None)
+                             prompt if self.log_prompts else None, key)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         self.step_duration.observe(seconds)
@@ -130,12 +148,16 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class RequestRecord:
-    """Timing of one request as its gRPC handler sees it; ends in one log line."""
+    """Timing of one request as its gRPC handler sees it; ends in one log line.
+    ``key``: the name of the caller's API key (None: keys are off)."""
 
     def __init__(self, metrics: Metrics, request_id: str, prompt_tokens: int,
-                 prompt: object) -> None:
+                 prompt: object, key: str | None = None) -> None:
         self._metrics = metrics
         self.request_id = request_id
+        self.key = key
+        self._on_end: list[Callable[[], None]] = []
+        self._generated = metrics.labelled(metrics.generation_tokens, key)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self._prompt = prompt
@@ -155,27 +177,41 @@ class RequestRecord:
             self._metrics.itl.observe((now - self._last) / n)
         self._last = now
         self.completion_tokens += n
-        self._metrics.generation_tokens.inc(n)
+        self._generated.inc(n)
 
     def on_finish(self, reason: str) -> None:
         if self._end():
-            self._metrics.request_success.labels(finished_reason=reason).inc()
+            self._metrics.labelled(self._metrics.request_success, self.key,
+                                   finished_reason=reason).inc()
             self._metrics.e2e.observe(time.monotonic() - self._start)
             self._log(f"finish={reason}")
 
     def on_error(self, code: str, message: str) -> None:
         if self._end():
-            self._metrics.request_failure.labels(code=code).inc()
+            self._metrics.failure(code, self.key)
             self._log(f"error={code} ({message})")
+
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, when the request ends (finish or error)."""
+        self._on_end.append(callback)
 
     def _end(self) -> bool:
         ended, self._ended = self._ended, True
+        if not ended:
+            for callback in self._on_end:
+                callback()
         return not ended
 
     def _log(self, outcome: str) -> None:
         now = time.monotonic()
         ttft = f"{self._first - self._start:.3f}s" if self._first is not None else "-"
         prompt = f" prompt={self._prompt!r}" if self._prompt is not None else ""
-        request_log.info("request %s: tokens in=%d out=%d ttft=%s total=%.3fs %s%s",
-                         self.request_id, self.prompt_tokens, self.completion_tokens, ttft,
+        request_log.info("request %s:%s tokens in=%d out=%d ttft=%s total=%.3fs %s%s",
+                         self.request_id, key_field(self.key), self.prompt_tokens,
+                         self.completion_tokens, ttft,
                          now - self._start, outcome, prompt)
+
+
+def key_field(key: str | None) -> str:
+    """`` key=NAME`` for a log line, or nothing when keys are off."""
+    return f" key={key}" if key is not None else ""

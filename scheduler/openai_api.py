@@ -41,8 +41,12 @@ Decisions (the OpenAI API leaves them to the server, or Jitney differs):
 
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``:
 400 invalid request (the message and ``param`` name the OpenAI argument),
-404 unknown model or path, 429 a queue bound (``--max-queued-*``), 503 not
-ready, worker lost or draining, 504 deadline, 500 a worker failure.
+401 a missing or unknown API key (``--api-key-file``; every route but
+``/health``, key sent as ``Authorization: Bearer KEY``), 404 unknown model or
+path, 429 a queue bound (``--max-queued-*``) or the key's
+``--max-requests-per-key``, 503 not ready, worker lost or draining, 504
+deadline, 500 a worker failure. With ``--tls-cert`` the door speaks HTTPS
+with the gRPC port's certificate (and client CA).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import json
 import logging
 import math
 import re
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -61,8 +66,10 @@ from aiohttp import web
 
 from jitney.v1 import generation_pb2 as pb
 from jitney.scheduler.engine import RequestHandle, StreamEvent
-from jitney.scheduler.metrics import RequestRecord
+from jitney.scheduler.metrics import Metrics, RequestRecord, request_log
 from jitney.scheduler.request import FinishReason
+from jitney.scheduler.auth import bearer_token
+from jitney.scheduler.security import ApiKeys
 from jitney.scheduler.server import GenerationServicer, RequestRefused, ServingState
 
 log = logging.getLogger("jitney.scheduler")
@@ -89,7 +96,7 @@ HTTP_STATUS = {
 }
 
 ERROR_TYPES = {
-    400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+    400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
     413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
     503: "service_unavailable_error", 504: "timeout_error",
 }
@@ -667,29 +674,32 @@ class _Formatter:
 
 
 class OpenAIServer:
-    """The HTTP door over ``servicer``'s serving state (shared with gRPC)."""
+    """The HTTP door over ``servicer``'s serving state (shared with gRPC);
+    with ``keys``, every route but /health needs one of them."""
 
-    def __init__(self, servicer: GenerationServicer) -> None:
+    def __init__(self, servicer: GenerationServicer, keys: ApiKeys | None = None) -> None:
         self.servicer = servicer
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
         self._token_text: _TokenText | None = None
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+        middlewares = [_json_errors] + ([_authenticate(keys, servicer.metrics)] if keys is not None else [])
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model:.+}", self.get_model)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/health", self.health)
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: any free port); the port bound. Raises OSError."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (0: any free port), HTTPS with ``ssl_context``;
+        the port bound. Raises OSError."""
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose ``finally`` cancels the request (as a gRPC cancel does).
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=2.0)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
         except BaseException:
             await runner.cleanup()
             raise
@@ -753,7 +763,7 @@ class OpenAIServer:
             raise _model_not_found(str(model), state)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
-        handle, record, prompt_ids = await self._submit(state, parsed, timeout)
+        handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
             fmt = _Formatter(parsed, response_id, state.ready.model_name, self._tokens(state), echo)
@@ -767,12 +777,12 @@ class OpenAIServer:
             record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
 
-    async def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None
-                      ) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
+    async def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None,
+                      key: str | None) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
         """``GenerationServicer.admit`` (the gRPC path's checks, codes and metrics), its
         refusals as OpenAI errors (an invalid field named by its OpenAI argument)."""
         try:
-            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout)
+            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout, key)
         except RequestRefused as refused:
             exc = refused.invalid
             if exc is None:
@@ -871,6 +881,34 @@ async def _stream(request: web.Request, events: AsyncIterator[StreamEvent], fmt:
 
 async def _send(response: web.StreamResponse, obj: Mapping[str, Any]) -> None:
     await response.write(f"data: {_dumps(obj)}\n\n".encode())
+
+
+KEY_NAME = "jitney.api_key_name"   # where _authenticate leaves the key's name in a request
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _authenticate(keys: ApiKeys, metrics: Metrics) -> Any:
+    """A middleware: ``Authorization: Bearer KEY`` or 401 in OpenAI's shape
+    (one answer for a missing and a wrong key); the key's name in ``request[KEY_NAME]``."""
+
+    @web.middleware
+    async def authenticate(request: web.Request,
+                           handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)   # type: ignore[no-any-return]
+        sent = request.headers.get("Authorization")
+        name = keys.identify(bearer_token(sent))
+        if name is None:
+            metrics.failure("UNAUTHENTICATED")
+            request_log.info("HTTP %s %s from %s: rejected 401 (%s)", request.method, request.path,
+                             request.remote, "no key" if sent is None else "a key that matches none")
+            error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` "
+                             "with a key of this server", code="invalid_api_key")
+            return web.json_response(error.body(), status=401, dumps=_dumps,
+                                     headers={"WWW-Authenticate": 'Bearer realm="jitney"'})
+        request[KEY_NAME] = name
+        return await handler(request)   # type: ignore[no-any-return]
+    return authenticate
 
 
 @web.middleware

@@ -18,8 +18,9 @@ from jitney.engine.v1 import engine_pb2
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.admission import QueueFullError
+from jitney.scheduler.auth import KeyLimiter, KeyLimitError, caller_key
 from jitney.scheduler.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
-from jitney.scheduler.metrics import Metrics, RequestRecord, request_log
+from jitney.scheduler.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.request import FinishReason
 from jitney.scheduler.validation import (
     InvalidRequestError,
@@ -66,13 +67,19 @@ def new_seed() -> int:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    """``key_limits``: requests in flight per API key name, shared by both doors;
+    ``api_keys``: whether the doors check keys (metrics then carry a key label)."""
+
+    def __init__(self, metrics: Metrics | None = None, *, api_keys: bool = False,
+                 key_limits: KeyLimiter | None = None) -> None:
         self.state: ServingState | None = None
         # Built at the first constrained request (its tokenizer index takes
         # ~0.5 s), kept across worker restarts of the same vocabulary.
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = asyncio.Lock()
-        self.metrics = metrics or Metrics(lambda: self.state.engine if self.state else None)
+        self.metrics = metrics or Metrics(lambda: self.state.engine if self.state else None,
+                                          key_label=api_keys)
+        self.key_limits = key_limits or KeyLimiter()
         # While None: new requests are taken. Else why they get UNAVAILABLE
         # (draining); with no state, the same or "not ready".
         self.refusing: str | None = None
@@ -88,33 +95,47 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                       ) -> tuple[ServingState, RequestHandle, RequestRecord]:
         state = await self._serving(context)
         try:
-            handle, record, _ = await self.admit(state, params, context.time_remaining())
+            handle, record, _ = await self.admit(state, params, context.time_remaining(),
+                                                 caller_key.get())
         except RequestRefused as refused:
             await context.abort(grpc.StatusCode[refused.code], refused.message)
             raise AssertionError("unreachable") from None
         return state, handle, record
 
-    async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None
-                    ) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
+    async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None,
+                    key: str | None = None) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
         """Validate, submit and track one request: the one path of every door
         (gRPC, the OpenAI door). A refusal is counted and logged, then raised
-        as ``RequestRefused``; ``time_remaining`` is the caller's deadline."""
+        as ``RequestRefused``; ``time_remaining`` is the caller's deadline,
+        ``key`` the name of its API key. The request holds one of the key's
+        slots (``--max-requests-per-key``) until its record ends."""
         code, message, invalid = "UNAVAILABLE", self.refusing, None
+        release = None
         try:
             if message is None:
+                release = self.key_limits.acquire(key)
                 validated = await self.validate(state, params)
                 handle = state.engine.submit(validated, time_remaining)
                 record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
-                                            _prompt_for_log(params) if self.metrics.log_prompts else None)
+                                            _prompt_for_log(params) if self.metrics.log_prompts else None,
+                                            key)
+                record.on_end(release)
+                release = None
                 return handle, record, validated
+        except KeyLimitError as exc:
+            code, message = "RESOURCE_EXHAUSTED", str(exc)
         except InvalidRequestError as exc:
             code, message, invalid = "INVALID_ARGUMENT", str(exc), exc
         except QueueFullError as exc:
             code, message = "RESOURCE_EXHAUSTED", str(exc)
         except EngineUnavailableError as exc:
             message = str(exc)
-        self.metrics.request_failure.labels(code=code).inc()
-        request_log.info("request %s: rejected %s (%s)", params.request_id or "-", code, message)
+        finally:
+            if release is not None:     # not admitted: the slot goes back at once
+                release()
+        self.metrics.failure(code, key)
+        request_log.info("request %s:%s rejected %s (%s)", params.request_id or "-", key_field(key),
+                         code, message)
         raise RequestRefused(code, message, invalid)
 
     async def validate(self, state: ServingState, params: pb.GenerationParams) -> ValidatedRequest:
