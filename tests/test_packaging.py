@@ -42,7 +42,7 @@ def _parse(command: list[str]):
 
 def test_compose_services_match_the_cli() -> None:
     services = _compose()["services"]
-    assert set(services) == {"scheduler", "worker"}
+    assert set(services) == {"keys", "scheduler", "worker"}
     sched = _parse(services["scheduler"]["command"])
     work = _parse(services["worker"]["command"])
     assert (sched.command, work.command) == ("scheduler", "worker")
@@ -61,13 +61,31 @@ def test_compose_services_match_the_cli() -> None:
 def test_compose_health_checks_use_the_health_command() -> None:
     services = _compose()["services"]
     sched_port = _parse(services["scheduler"]["command"]).port
-    for name, svc in services.items():
-        test = svc["healthcheck"]["test"]
+    for name in ("scheduler", "worker"):
+        test = services[name]["healthcheck"]["test"]
         assert test[0] == "CMD"
         ns = _parse(test[1:])
         assert ns.command == "health"
         assert ns.target.endswith(f":{sched_port}"), name
-    assert services["worker"]["depends_on"] == ["scheduler"]
+    assert "scheduler" in services["worker"]["depends_on"]
+
+
+def test_compose_link_runs_with_curve_keys() -> None:
+    """A one-shot `jitney keys` service writes each side's half of the keys into
+    its own volume; each service mounts only its half, read-only, after it ran."""
+    compose = _compose()
+    services = compose["services"]
+    keys = _parse(services["keys"]["command"])
+    assert (keys.command, keys.split, keys.if_missing) == ("keys", True, True)
+    written = dict(reversed(v.split(":")) for v in services["keys"]["volumes"])   # path -> volume
+    for side in ("scheduler", "worker"):
+        svc = services[side]
+        ns = _parse(svc["command"])
+        assert ns.curve_keys and not ns.insecure_plaintext_zmq, side
+        assert svc["depends_on"]["keys"] == {"condition": "service_completed_successfully"}
+        volume = written[f"{keys.out}/{side}"]
+        assert svc["volumes"] == [f"{volume}:{ns.curve_keys}:ro"], side
+        assert volume in compose["volumes"]
 
 
 def test_dockerfile_installs_the_project_and_the_default_model() -> None:

@@ -310,7 +310,11 @@ def client_side(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None,  # typ
     events = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
               | zmq.EVENT_MONITOR_STOPPED)
-    monitor = sock.get_monitor_socket(events)
+    address = f"inproc://jitney-handshakes-{id(sock):x}"
+    sock.monitor(address, events)
+    # A plain socket whatever the context's kind (an asyncio one needs a loop in its thread).
+    monitor = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
+    monitor.connect(address)
     threading.Thread(target=_log_handshakes, args=(monitor, endpoint), daemon=True,
                      name=f"zmq-handshakes {endpoint}").start()
 
@@ -332,8 +336,9 @@ def _log_handshakes(monitor: zmq.Socket, endpoint: str) -> None:  # type: ignore
                 log.error("the scheduler at %s refused this worker's Curve key: is this worker's "
                           "%s in the scheduler's key folder?", endpoint, WORKER_PUBLIC)
             else:
-                log.error("Curve handshake with %s failed: is %s the scheduler's public key, and does "
-                          "the scheduler run with --curve-keys?", endpoint, SERVER_PUBLIC)
+                log.error("Curve handshake with %s failed: is %s the scheduler's public key, does the "
+                          "scheduler run with --curve-keys, and is it a Jitney scheduler of this version?",
+                          endpoint, SERVER_PUBLIC)
     except zmq.ContextTerminated:
         pass
     finally:
