@@ -143,8 +143,12 @@ def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace)
         from jitney.worker.main import run_worker
 
         return run_worker(WorkerConfig.from_namespace(ns))
+    from jitney.common.zmq_security import load_client_keys, load_server_keys
     from jitney.scheduler.supervisor import child_argv, supervise
 
+    if ns.curve_keys:      # both children read this folder: check it before either starts
+        load_server_keys(ns.curve_keys)
+        load_client_keys(ns.curve_keys)
     sub = cast("dict[str, argparse.ArgumentParser]",
                parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
