@@ -29,7 +29,7 @@ from jitney.scheduler.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.scheduler import Scheduler, SchedulerOutput
 from jitney.scheduler.trace import StepTracer
 from jitney.scheduler.validation import ValidatedRequest
-from jitney.scheduler.worker_link import WorkerLink, WorkerLinkError
+from jitney.scheduler.worker_link import StepDiscardedError, WorkerLink, WorkerLinkError
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -215,8 +215,8 @@ class Engine:
         sent while the worker runs step N, so the worker never waits for a
         plan. Its decodes use the tokens step N is still sampling (the worker
         fills them in); a request that step N finishes is learnt of one step
-        late and its extra token is dropped. Raises WorkerLostError when the
-        worker is gone.
+        late and its extra token is dropped. A failed step is recovered from
+        (``_recover``). Raises WorkerLostError when the worker is gone.
         """
         in_flight: deque[tuple[SchedulerOutput, float, list[int]]] = deque()
         while not self._closed:
@@ -236,7 +236,8 @@ class Engine:
                 try:
                     result = await self._link.receive_result(output.step_id)
                 except WorkerLinkError as exc:
-                    self._fail_step(output, str(exc))
+                    await self._recover(output, [o for o, _, _ in in_flight], str(exc))
+                    in_flight.clear()
                     continue
                 self._apply(output, result, started)
                 if in_flight:   # its masks needed this step's tokens: now they are in
@@ -246,6 +247,25 @@ class Engine:
                 log.error("requests are waiting but none can be scheduled")
             self._wakeup.clear()
             await self._wakeup.wait()
+
+    async def _recover(self, failed: SchedulerOutput, later: list[SchedulerOutput], message: str) -> None:
+        """The worker failed step ``failed``: its requests end with INTERNAL.
+        The steps planned after it (``later``, in flight) assumed it ran; the
+        worker discards them until the next plan, which resets it. Every
+        other running request is preempted and recomputes from its tokens so
+        far (nothing streamed is lost or repeated); the replies of ``later``
+        are read and dropped."""
+        self._fail_step(failed, message)
+        self.num_preemptions += self.scheduler.recover_from_failed_step([failed, *later])
+        for output in later:
+            try:
+                await self._link.receive_result(output.step_id)
+                log.warning("the worker ran step %d after step %d failed; its result is dropped",
+                            output.step_id, failed.step_id)
+            except StepDiscardedError:
+                pass    # as expected
+            except WorkerLinkError as exc:
+                log.warning("after step %d failed: %s", failed.step_id, exc)
 
     def _apply(self, output: SchedulerOutput, result: engine_pb2.StepResult, started: float) -> None:
         """Hand a step's sampled tokens to the scheduler and the streams."""

@@ -1,6 +1,7 @@
 """Encode a SchedulerOutput as the worker's StepPlan (a diff).
 
     plan field        carries
+    reset             after a failed step: the worker forgets every sequence first
     freed_seq_ids     sequences the worker forgets first (finished, preempted)
     new_sequences     sampling config of sequences the worker has no state for
     chunks            tokens to compute + block ids appended to the table this
@@ -32,6 +33,7 @@ def to_step_plan(output: SchedulerOutput, eos_token_ids: frozenset[int] = frozen
         freed_seq_ids=output.freed_seq_ids,
         new_sequences=[_new_sequence(r, eos_token_ids, starts.get(r.seq_id, 0)) for r in output.new_seqs],
         chunks=[_chunk(c, masked) for c in output.scheduled],
+        reset=output.reset,
     )
 
 

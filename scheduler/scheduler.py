@@ -62,11 +62,13 @@ class SchedulerOutput:
     freed_seq_ids: list[int] = field(default_factory=list)    # worker forgets first
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # The first plan after a failed step: the worker forgets every sequence first.
+    reset: bool = False
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the worker: no chunk to run and no sequence to free."""
-        return not self.scheduled and not self.freed_seq_ids
+        """Nothing for the worker: no chunk to run, no sequence to free, no reset."""
+        return not self.scheduled and not self.freed_seq_ids and not self.reset
 
 
 def _queue_key(request: Request) -> tuple[int, float, int]:
@@ -91,6 +93,7 @@ class Scheduler:
         self._pending_freed: list[int] = []     # for the next plan
         self._step_id = 0
         self._batch_left = 0    # static/sequential: batch members yet to board
+        self._reset_worker = False   # the next plan resets the worker (after a failed step)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -138,7 +141,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; advances the scheduled requests' progress."""
         self._step_id += 1
-        output = SchedulerOutput(step_id=self._step_id)
+        output = SchedulerOutput(step_id=self._step_id, reset=self._reset_worker)
+        self._reset_worker = False
         if self._held:
             self._release_held()
         self._schedule_running(output)
@@ -271,14 +275,39 @@ class Scheduler:
         output.num_batched_tokens += num_new
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
-        self._running.remove(victim)
         self._unschedule(victim, output)
+        self._requeue(victim)
+        output.preempted.append(victim)
+
+    def _requeue(self, victim: Request) -> None:
+        """A running request back to waiting, its blocks freed: it will
+        recompute its prompt and output so far."""
+        self._running.remove(victim)
         self._release(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         bisect.insort(self._waiting, victim, key=_queue_key)
-        output.preempted.append(victim)
+
+    def recover_from_failed_step(self, lost: Sequence[SchedulerOutput]) -> int:
+        """The worker failed step ``lost[0]`` and discards the steps planned
+        after it (``lost[1:]``) until a reset plan: none of them ran, so their
+        samples never come, and every running request is preempted (it
+        recomputes from its tokens so far; its output is kept). The next
+        plan resets the worker, which forgets every sequence, so it frees
+        none. The caller ends the failed step's own requests first. Returns
+        the number of requests preempted."""
+        for output in lost:
+            for chunk in output.scheduled:
+                chunk.request.num_pending_samples -= chunk.sample
+        preempted = len(self._running)
+        for request in list(self._running):
+            self._requeue(request)
+        self._on_worker.clear()
+        self._pending_freed.clear()
+        self._batch_left = 0
+        self._reset_worker = True
+        return preempted
 
     def _unschedule(self, request: Request, output: SchedulerOutput) -> None:
         """Take back ``request``'s chunk of this step, if it has one."""

@@ -92,12 +92,17 @@ class FakeWorker:
         """Run one plan; return one token per sampling chunk, in order.
 
         As ``ModelRunner.execute``: the real checks on the whole plan, then
-        the real diffs, then the chunks. Raises ``PlanError``.
+        the real diffs, then the chunks; a reset plan forgets every sequence
+        first. Raises ``PlanError``.
         """
-        validate_plan(plan, self.seqs, self.limits)   # raises the real PlanError
+        validate_plan(plan, {} if plan.reset else self.seqs, self.limits)   # raises the real PlanError
         _require(plan.step_id > self.last_step_id,
                  f"step {plan.step_id}: step ids must increase (last {self.last_step_id})")
         self.last_step_id = plan.step_id
+        if plan.reset:
+            for seq_id in list(self.seqs):
+                self._release(seq_id)
+            self.seqs.clear()
         for seq_id in plan.freed_seq_ids:
             self._release(seq_id)
         apply_plan_diffs(plan, self.seqs)

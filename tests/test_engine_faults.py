@@ -16,6 +16,7 @@ from jitney.scheduler.config import SchedulerConfig
 from jitney.scheduler.engine import Engine, RequestHandle, StreamEvent
 from jitney.scheduler.request import SamplingOptions
 from jitney.scheduler.validation import ValidatedRequest
+from jitney.scheduler.worker_link import StepDiscardedError, WorkerLinkError
 
 
 class FakeLink:
@@ -114,3 +115,103 @@ def test_queue_bounds_and_priority_reach_the_scheduler() -> None:
         engine.close("done")
 
     asyncio.run(main())
+
+
+# -- a failed step: its requests end INTERNAL, the step planned meanwhile is discarded ----
+
+class FailingLink(FakeLink):
+    """The worker loop's contract over a FakeWorker: step ``fail_step`` runs but
+    is answered with a StepError (as if it failed after changing state); every
+    later plan is discarded (StepError, discarded) until a reset plan. Records
+    each plan, and checks the scheduler's invariants at every send."""
+
+    def __init__(self, worker: FakeWorker, fail_step: int = 0) -> None:
+        super().__init__(worker)
+        self.fail_step = fail_step
+        self.failed: int | None = None
+        self.plans: dict[int, engine_pb2.StepPlan] = {}
+        self.replies: asyncio.Queue[engine_pb2.StepResult | engine_pb2.StepError] = asyncio.Queue()
+        self.engine: Engine | None = None
+        self.resumed_with_output: list[int] = []   # seqs a reset plan boards that had streamed tokens
+        self.discarded: list[int] = []
+
+    async def send_plan(self, plan: engine_pb2.StepPlan) -> None:
+        assert self.engine is not None
+        self.engine.scheduler.check_invariants()
+        self.plans[plan.step_id] = plan
+        if self.failed is not None and not plan.reset:
+            self.discarded.append(plan.step_id)
+            self.replies.put_nowait(engine_pb2.StepError(step_id=plan.step_id, discarded=True))
+            return
+        if plan.reset:
+            self.resumed_with_output += [n.seq_id for n in plan.new_sequences
+                                         if self.engine.scheduler.get_request(n.seq_id).num_output_tokens]
+        self.failed = None
+        result = self.worker.execute(plan)
+        if plan.step_id == self.fail_step:
+            self.failed = plan.step_id
+            self.replies.put_nowait(engine_pb2.StepError(step_id=plan.step_id, message="injected"))
+        else:
+            self.replies.put_nowait(result)
+
+    async def receive_result(self, step_id: int) -> engine_pb2.StepResult:
+        await asyncio.sleep(0)
+        reply = await self.replies.get()
+        assert reply.step_id == step_id
+        if isinstance(reply, engine_pb2.StepError):
+            error = StepDiscardedError if reply.discarded else WorkerLinkError
+            raise error(f"step {step_id}: {reply.message}")
+        return reply
+
+
+RECOVERY_PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(20, 33)), [5, 3, 5, 8, 9, 7, 9], [2, 7]]
+RECOVERY_MAX_TOKENS = [9, 14, 6, 11, 16]
+
+
+async def run_with_failure(fail_step: int) -> tuple[FailingLink, Engine, list[list[StreamEvent]]]:
+    """Five greedy requests on a cache small enough to preempt, step ``fail_step`` failing (0: none)."""
+    config = SchedulerConfig(block_size=4, num_blocks=10, max_model_len=40, max_num_seqs=3,
+                             max_num_batched_tokens=10)
+    link = FailingLink(FakeWorker.for_config(config), fail_step)
+    engine = Engine(config, link, Tokenizer(), frozenset())  # type: ignore[arg-type]
+    link.engine = engine
+    handles = [engine.submit(request(p, n)) for p, n in zip(RECOVERY_PROMPTS, RECOVERY_MAX_TOKENS)]
+    loop = asyncio.create_task(engine.run())
+    events = await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 30)
+    assert not loop.done()
+    engine.scheduler.check_invariants()
+    engine.close("done")
+    loop.cancel()
+    return link, engine, list(events)
+
+
+def test_a_failed_step_ends_its_requests_only_and_the_overlapped_step_is_discarded() -> None:
+    """Fail each step in turn: the requests with a chunk in it end INTERNAL
+    (what they streamed is a prefix of their output); every other request
+    ends exactly as with no fault, tokens never repeated or lost; no block
+    leaks; the plan after the failure resets the worker."""
+    link, engine, events = asyncio.run(run_with_failure(0))
+    expected = [reference_output(p, n) for p, n in zip(RECOVERY_PROMPTS, RECOVERY_MAX_TOKENS)]
+    assert [[t for e in ev for t in e.token_ids] for ev in events] == expected
+    assert engine.num_preemptions > 0     # the cache is small enough to preempt
+    steps = sorted(link.plans)
+    seq_of = {i: i + 1 for i in range(len(RECOVERY_PROMPTS))}    # the engine numbers seqs 1, 2, ...
+    bystanders_in_next, resumed = 0, 0
+    for fail in steps:
+        link, engine, events = asyncio.run(run_with_failure(fail))
+        in_failed = {c.seq_id for c in link.plans[fail].chunks}
+        for i, ev in enumerate(events):
+            tokens = [t for e in ev for t in e.token_ids]
+            if seq_of[i] in in_failed:
+                assert ev[-1].error_code == "INTERNAL" and tokens == expected[i][:len(tokens)], (fail, i)
+            else:
+                assert ev[-1].finish_reason is not None and tokens == expected[i], (fail, i, ev[-1])
+        assert engine.scheduler.block_manager.num_used_blocks == 0
+        # At most the one plan in flight is discarded; the next plan resets the worker.
+        later = sorted(s for s in link.plans if s > fail)
+        assert len(link.discarded) <= 1 and link.discarded == later[:len(link.discarded)]
+        assert [s for s in later if link.plans[s].reset] == later[len(link.discarded):][:1]
+        bystanders_in_next += bool(link.discarded) and bool(
+            {c.seq_id for c in link.plans[link.discarded[0]].chunks} - in_failed)
+        resumed += len(link.resumed_with_output)
+    assert bystanders_in_next and resumed, (bystanders_in_next, resumed)

@@ -26,9 +26,9 @@ from typing import Any
 
 import openai
 import pytest
-import zmq
 import zmq.asyncio
 
+from engine_sockets import WorkerSockets
 from fake_worker import FakeWorker, PlanError
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.main import SchedulerProcessConfig, _make_engine
@@ -79,7 +79,7 @@ def make_tokenizer() -> Any:
 
 
 READY = engine_pb2.Ready(
-    protocol_version=engine_pb2.PROTOCOL_VERSION_1, model_name=MODEL, vocab_size=VOCAB,
+    protocol_version=engine_pb2.PROTOCOL_VERSION_2, model_name=MODEL, vocab_size=VOCAB,
     context_length=1024, eos_token_ids=[EOS], num_blocks=256, block_size=BLOCK, dtype="float32",
     device="cpu", worker_pid=0, max_num_seqs=SEATS, max_num_batched_tokens=256)
 
@@ -146,19 +146,17 @@ class ScriptedWorker(FakeWorker):
 async def serve_worker(link: WorkerLink, worker: ScriptedWorker) -> None:
     """The worker's side of the ZeroMQ protocol: Ready, then plan -> (masks) -> result."""
     ctx = zmq.asyncio.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(link.plan_addr)
-    push.connect(link.result_addr)
-    heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=0)).SerializeToString()
+    sockets = WorkerSockets(ctx, link.plan_addr, link.result_addr)
+    heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=0))
     try:
-        await push.send(engine_pb2.WorkerMessage(ready=READY).SerializeToString())
+        await sockets.send(engine_pb2.WorkerMessage(ready=READY))
         plans: deque[engine_pb2.StepPlan] = deque()
         masks: dict[int, engine_pb2.StepMasks] = {}
         while True:
-            if not await pull.poll(500):
-                await push.send(heartbeat)
+            if not await sockets.plans.poll(500):
+                await sockets.send(heartbeat)
                 continue
-            msg = engine_pb2.SchedulerMessage.FromString(await pull.recv())
+            msg = await sockets.recv()
             kind = msg.WhichOneof("kind")
             if kind == "shutdown":
                 return
@@ -182,10 +180,9 @@ async def serve_worker(link: WorkerLink, worker: ScriptedWorker) -> None:
                 except Exception as exc:    # PlanError, or a broken contract: the step fails, not the worker
                     reply = engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=plan.step_id,
                                                                                 message=str(exc)))
-                await push.send(reply.SerializeToString())
+                await sockets.send(reply)
     finally:
-        pull.close(0)
-        push.close(0)
+        sockets.close()
         ctx.term()
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 
 from bench.tiny_models import make_tiny_llama
+from tests.engine_sockets import SchedulerSockets
 from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.config import WorkerConfig
 from jitney.worker.main import run_worker
@@ -261,37 +261,90 @@ def test_bad_plan_is_rejected_and_state_kept(runner: ModelRunner, config: Worker
 
 def test_ready_message(runner: ModelRunner) -> None:
     ready = runner.ready_message()
-    assert ready.protocol_version == pb.PROTOCOL_VERSION_1
+    assert ready.protocol_version == pb.PROTOCOL_VERSION_2
     assert (ready.model_name, ready.vocab_size, ready.context_length) == ("tiny", 320, 256)
     assert list(ready.eos_token_ids) == [2]
     assert (ready.num_blocks, ready.block_size, ready.dtype, ready.device) == (NUM_BLOCKS, BLOCK, "float32", "cpu")
 
 
 def test_worker_loop_over_zeromq(config: WorkerConfig, tmp_path: Path) -> None:
-    ctx = zmq.Context()
-    plans, results = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    plans.bind(f"ipc://{tmp_path}/plan")
-    results.bind(f"ipc://{tmp_path}/result")
-    results.setsockopt(zmq.RCVTIMEO, 30000)
+    scheduler = SchedulerSockets(f"ipc://{tmp_path}/plan", f"ipc://{tmp_path}/result")
     cfg = replace(config, plan_addr=f"ipc://{tmp_path}/plan", result_addr=f"ipc://{tmp_path}/result")
     exit_code: list[int] = []
     thread = threading.Thread(target=lambda: exit_code.append(run_worker(cfg)))
     thread.start()
     try:
-        assert pb.WorkerMessage.FromString(results.recv()).ready.num_blocks == NUM_BLOCKS
-        plans.send(b"\xff\xff garbage")
-        assert pb.WorkerMessage.FromString(results.recv()).HasField("error")
+        assert scheduler.ready().num_blocks == NUM_BLOCKS
+        scheduler.send(raw=b"\xff\xff garbage")
+        assert scheduler.reply().HasField("error")
         plan = pb.StepPlan(step_id=3, new_sequences=[pb.NewSequence(seq_id=1)])
         plan.chunks.add(seq_id=1, start_position=0, token_ids=[1, 2, 3], new_block_ids=[0], sample=True)
-        plans.send(pb.SchedulerMessage(plan=plan).SerializeToString())
-        reply = pb.WorkerMessage.FromString(results.recv())
+        scheduler.send(plan=plan)
+        reply = scheduler.reply()
         assert reply.result.step_id == 3 and list(reply.result.seq_ids) == [1] and reply.result.worker_seconds > 0
-        plans.send(pb.SchedulerMessage(plan=plan).SerializeToString())  # seq 1 again: a bad plan
-        assert "already known" in pb.WorkerMessage.FromString(results.recv()).error.message
-        plans.send(pb.SchedulerMessage(shutdown=pb.Shutdown()).SerializeToString())
+        assert reply.incarnation == scheduler.incarnation
+        scheduler.send(plan=plan)  # seq 1 again: a bad plan
+        assert "already known" in scheduler.reply().error.message
+        scheduler.send(shutdown=pb.Shutdown())
         thread.join(timeout=30)
         assert exit_code == [0]
     finally:
-        plans.close(linger=0)
-        results.close(linger=0)
-        ctx.term()
+        scheduler.close()
+
+
+def _state(runner: ModelRunner) -> dict[int, tuple[dict, list[int], int]]:
+    """The runner's per-sequence state: fields, block table, persistent-batch row."""
+    return {sid: (vars(s).copy(), list(s.block_table), runner.batch.rows[sid]) for sid, s in runner.sequences.items()}
+
+
+def test_worker_loop_discards_plans_after_a_failed_step_until_a_reset(config: WorkerConfig, tmp_path: Path) -> None:
+    """After a StepError the loop answers every plan "discarded" without
+    touching the runner; a reset plan forgets every sequence, then runs as a
+    fresh runner would run it."""
+    scheduler = SchedulerSockets(f"ipc://{tmp_path}/plan", f"ipc://{tmp_path}/result")
+    cfg = replace(config, plan_addr=f"ipc://{tmp_path}/plan", result_addr=f"ipc://{tmp_path}/result")
+    runners: list[ModelRunner] = []
+
+    def make_runner(c: WorkerConfig) -> ModelRunner:
+        runners.append(ModelRunner(c))
+        return runners[-1]
+
+    thread = threading.Thread(target=run_worker, args=(cfg, make_runner))
+    thread.start()
+
+    def start(step_id: int, sid: int, prompt: list[int], block: int, reset: bool = False) -> pb.StepPlan:
+        plan = pb.StepPlan(step_id=step_id, reset=reset, new_sequences=[pb.NewSequence(seq_id=sid)])
+        plan.chunks.add(seq_id=sid, start_position=0, token_ids=prompt, new_block_ids=[block], sample=True)
+        return plan
+
+    try:
+        scheduler.ready()
+        runner = runners[0]
+        scheduler.send(plan=start(1, 1, PROMPTS[1][:3], 0))
+        first = scheduler.reply().result
+        before = _state(runner)
+        scheduler.send(plan=pb.StepPlan(step_id=2, chunks=[pb.ScheduledChunk(seq_id=9, token_ids=[1], sample=True)]))
+        assert "unknown seq_id 9" in scheduler.reply().error.message
+        # Valid plans made assuming step 2 ran: a new sequence, a decode, a free.
+        later = [start(3, 2, [5, 6], 1),
+                 pb.StepPlan(step_id=4, chunks=[pb.ScheduledChunk(seq_id=1, start_position=3, new_block_ids=[2],
+                                                                  last_token_from_sample=True, sample=True)]),
+                 pb.StepPlan(step_id=5, freed_seq_ids=[1])]
+        for plan in later:
+            scheduler.send(plan=plan)
+            error = scheduler.reply().error
+            assert error.discarded and error.step_id == plan.step_id and "step 2 failed" in error.message
+        assert _state(runner) == before
+        # The reset plan: seq 1 is forgotten (a plan freeing it would be refused), seq 3 starts.
+        scheduler.send(plan=start(6, 3, PROMPTS[1][:3], 4, reset=True))
+        reset = scheduler.reply().result
+        assert list(reset.seq_ids) == [3] and set(runner.sequences) == {3} and set(runner.batch.rows) == {3}
+        assert (list(reset.token_ids), list(reset.logprobs)) == (list(first.token_ids), list(first.logprobs))
+        scheduler.send(plan=pb.StepPlan(step_id=7, chunks=[pb.ScheduledChunk(
+            seq_id=3, start_position=3, last_token_from_sample=True, sample=True)]))
+        assert scheduler.reply().result.step_id == 7      # serving normally again
+        scheduler.send(shutdown=pb.Shutdown())
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        scheduler.close()

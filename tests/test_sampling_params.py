@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zmq
 from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from bench.tiny_models import make_tiny_llama
+from tests.engine_sockets import SchedulerSockets
 from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.config import WorkerConfig
 from jitney.worker.input_batch import InputBatch, StepChunk
@@ -688,31 +688,25 @@ def test_the_decode_graph_fast_path_yields_to_processors(config: WorkerConfig, c
 # -- the worker's ZeroMQ loop ------------------------------------------------------------
 
 def test_worker_loop_waits_for_masks(config: WorkerConfig, tmp_path: Path) -> None:
-    ctx = zmq.Context()
-    plans, results = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    plans.bind(f"ipc://{tmp_path}/plan")
-    results.bind(f"ipc://{tmp_path}/result")
-    results.setsockopt(zmq.RCVTIMEO, 30000)
+    scheduler = SchedulerSockets(f"ipc://{tmp_path}/plan", f"ipc://{tmp_path}/result")
     cfg = replace(config, plan_addr=f"ipc://{tmp_path}/plan", result_addr=f"ipc://{tmp_path}/result")
     exit_code: list[int] = []
     thread = threading.Thread(target=lambda: exit_code.append(run_worker(cfg)))
     thread.start()
-
-    def send(**message: object) -> None:
-        plans.send(pb.SchedulerMessage(**message).SerializeToString())  # type: ignore[arg-type]
-
-    def reply() -> pb.WorkerMessage:
-        while True:
-            message = pb.WorkerMessage.FromString(results.recv())
-            if not message.HasField("heartbeat"):
-                return message
+    send, reply = scheduler.send, scheduler.reply
 
     def masks(step_id: int, sids: list[int], allowed: list[int]) -> pb.StepMasks:
         return pb.StepMasks(step_id=step_id, seq_ids=sids,
                             bitmask=bitmask([allowed] * len(sids)).astype("<i4").tobytes())
 
+    def fresh(step_id: int) -> pb.StepPlan:
+        """A reset plan (after a failed step) that starts seq 1 over, masked."""
+        return pb.StepPlan(step_id=step_id, reset=True, new_sequences=[pb.NewSequence(seq_id=1)], chunks=[
+            pb.ScheduledChunk(seq_id=1, start_position=0, token_ids=[1, 2, 3], new_block_ids=[3], sample=True,
+                              masked=True)])
+
     try:
-        assert reply().HasField("ready")
+        scheduler.ready()
         first = pb.StepPlan(step_id=1, new_sequences=[pb.NewSequence(seq_id=1), pb.NewSequence(seq_id=2)])
         first.chunks.add(seq_id=1, start_position=0, token_ids=[1, 2, 3], new_block_ids=[0], sample=True, masked=True)
         first.chunks.add(seq_id=2, start_position=0, token_ids=[4, 5], new_block_ids=[1], sample=True)
@@ -725,7 +719,8 @@ def test_worker_loop_waits_for_masks(config: WorkerConfig, tmp_path: Path) -> No
         got = reply().result
         assert got.step_id == 1 and list(got.seq_ids) == [1, 2] and got.token_ids[0] == 99
         assert reply().result.step_id == 2
-        # A refused masked plan: its masks, when they come, are dropped, not taken by the next step.
+        # A refused masked plan, then one planned before the refusal was known (discarded):
+        # their masks, when they come, are dropped, not taken by the next (reset) step.
         refused = pb.StepPlan(step_id=3, chunks=[pb.ScheduledChunk(seq_id=7, start_position=0, token_ids=[1],
                                                                    sample=True, masked=True)])
         send(plan=refused)
@@ -735,25 +730,24 @@ def test_worker_loop_waits_for_masks(config: WorkerConfig, tmp_path: Path) -> No
                                                                   last_token_from_sample=True, sample=True,
                                                                   masked=True)])
         send(plan=fourth)
-        send(masks=masks(4, [1], [123]))
+        assert reply().error.discarded
+        send(masks=masks(4, [1], [7]))
+        send(plan=fresh(5))
+        send(masks=masks(5, [1], [123]))
         got = reply().result
-        assert got.step_id == 4 and list(got.token_ids) == [123]
+        assert got.step_id == 5 and list(got.token_ids) == [123]
         # Wrong masks fail that step only.
-        send(plan=replace_start(fourth, 5))
+        send(plan=pb.StepPlan(step_id=6, chunks=[pb.ScheduledChunk(
+            seq_id=1, start_position=3, last_token_from_sample=True, sample=True, masked=True)]))
         send(masks=masks(9, [1], [123]))
         assert "masks for step 9" in reply().error.message
         # A Shutdown while a step waits ends the worker.
-        fifth = pb.StepPlan(step_id=6, freed_seq_ids=[1], new_sequences=[pb.NewSequence(seq_id=1)], chunks=[
-            pb.ScheduledChunk(seq_id=1, start_position=0, token_ids=[1], new_block_ids=[3], sample=True,
-                              masked=True)])
-        send(plan=fifth)
+        send(plan=fresh(7))
         send(shutdown=pb.Shutdown())
         thread.join(timeout=30)
         assert exit_code == [0]
     finally:
-        plans.close(linger=0)
-        results.close(linger=0)
-        ctx.term()
+        scheduler.close()
 
 
 def test_penalties_count_the_context_a_sequence_does_not_compute(config: WorkerConfig) -> None:

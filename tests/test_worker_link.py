@@ -1,5 +1,6 @@
 """The scheduler's ZeroMQ link on real sockets: malformed frames, heartbeats,
-a silent worker, a restarted worker. A test socket plays the worker."""
+a silent worker, a restarted worker, fencing of a stale incarnation. Test
+sockets play the worker."""
 
 from __future__ import annotations
 
@@ -11,40 +12,48 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from jitney.common.incarnation import new_incarnation
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.worker_link import WorkerLink, WorkerLinkError, WorkerLostError
+from tests.engine_sockets import WORKER_INCARNATION, WorkerSockets
 
 
-def _ready(pid: int = 4242) -> bytes:
-    return engine_pb2.WorkerMessage(ready=engine_pb2.Ready(
-        protocol_version=engine_pb2.PROTOCOL_VERSION_1, num_blocks=8, block_size=4,
+def _ready(pid: int = 4242, incarnation: int = WORKER_INCARNATION) -> bytes:
+    return engine_pb2.WorkerMessage(incarnation=incarnation, ready=engine_pb2.Ready(
+        protocol_version=engine_pb2.PROTOCOL_VERSION_2, num_blocks=8, block_size=4,
         worker_pid=pid)).SerializeToString()
 
 
-def _heartbeat() -> bytes:
-    return engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=1)).SerializeToString()
+def _heartbeat(incarnation: int = WORKER_INCARNATION) -> bytes:
+    return engine_pb2.WorkerMessage(incarnation=incarnation, heartbeat=engine_pb2.Heartbeat(
+        worker_pid=1)).SerializeToString()
 
 
-def _result(step_id: int) -> bytes:
-    return engine_pb2.WorkerMessage(result=engine_pb2.StepResult(
-        step_id=step_id, seq_ids=[1], token_ids=[7], logprobs=[-0.5])).SerializeToString()
+def _result(step_id: int, incarnation: int = WORKER_INCARNATION, token: int = 7) -> bytes:
+    return engine_pb2.WorkerMessage(incarnation=incarnation, result=engine_pb2.StepResult(
+        step_id=step_id, seq_ids=[1], token_ids=[token], logprobs=[-0.5])).SerializeToString()
 
 
 class FakeWorkerSockets:
+    """A link, and the sockets of one fake worker (more with ``another``)."""
+
     def __init__(self, tmp: Path) -> None:
         self.link = WorkerLink(f"ipc://{tmp}/plan", f"ipc://{tmp}/result", worker_timeout=0.6)
         self.ctx = zmq.asyncio.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.pull.connect(self.link.plan_addr)
-        self.push.connect(self.link.result_addr)
+        self.workers = [WorkerSockets(self.ctx, self.link.plan_addr, self.link.result_addr)]
+        self.pull = self.workers[0].plans     # (a DEALER)
+
+    def another(self) -> WorkerSockets:
+        worker = WorkerSockets(self.ctx, self.link.plan_addr, self.link.result_addr, new_incarnation())
+        self.workers.append(worker)
+        return worker
 
     async def send(self, frame: bytes) -> None:
-        await self.push.send(frame)
+        await self.workers[0].send(frame)
 
     def close(self) -> None:
-        self.pull.close(0)
-        self.push.close(0)
+        for worker in self.workers:
+            worker.close()
         self.ctx.term()
         self.link.close()
 
@@ -112,71 +121,140 @@ def test_a_new_ready_while_serving_means_the_worker_restarted(tmp_path: Path) ->
         waiting = asyncio.ensure_future(w.link.wait_ready())
         await w.send(_ready(pid=0))
         await waiting
-        await w.send(_ready(pid=0))
+        new = w.another()
+        await new.send(_ready(pid=0, incarnation=new.incarnation))
         reason = await w.link.wait_lost()
         assert "sent Ready" in reason
         again = await w.link.wait_ready()     # the queued Ready
-        assert again.protocol_version == engine_pb2.PROTOCOL_VERSION_1 and w.link.is_serving
+        assert again.protocol_version == engine_pb2.PROTOCOL_VERSION_2 and w.link.is_serving
+        assert w.link.incarnation == new.incarnation
+        # The replaced worker is told to shut down; the new one gets the plans.
+        told = await w.workers[0].recv()
+        assert told.HasField("shutdown") and told.incarnation == WORKER_INCARNATION
+        await w.link.send_plan(engine_pb2.StepPlan(step_id=1))
+        got = await new.recv()
+        assert got.plan.step_id == 1 and got.incarnation == new.incarnation
 
     run(body, tmp_path)
 
 
-def test_a_worker_of_another_protocol_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [engine_pb2.PROTOCOL_VERSION_UNSPECIFIED, engine_pb2.PROTOCOL_VERSION_1])
+def test_a_worker_of_another_protocol_is_refused(tmp_path: Path, version: int) -> None:
     async def body(w: FakeWorkerSockets) -> None:
         waiting = asyncio.ensure_future(w.link.wait_ready())
         await w.send(engine_pb2.WorkerMessage(ready=engine_pb2.Ready(
-            protocol_version=engine_pb2.PROTOCOL_VERSION_UNSPECIFIED)).SerializeToString())
-        with pytest.raises(WorkerLinkError):
+            protocol_version=version)).SerializeToString())   # (an old worker: no incarnation)
+        with pytest.raises(WorkerLinkError, match=f"engine protocol {version}, this scheduler speaks 2"):
             await waiting
+
+    run(body, tmp_path)
+
+
+def test_a_ready_without_a_valid_incarnation_is_refused(tmp_path: Path) -> None:
+    async def body(w: FakeWorkerSockets) -> None:
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await w.send(_ready(incarnation=5))     # top byte 0: no valid routing id
+        with pytest.raises(WorkerLinkError, match="valid incarnation"):
+            await waiting
+
+    run(body, tmp_path)
+
+
+def test_frames_of_a_stale_incarnation_are_dropped_counted_and_told_to_shut_down(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def body(w: FakeWorkerSockets) -> None:
+        old = w.workers[0]
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await old.send(_ready(pid=0))
+        await waiting
+        await w.link.send_plan(engine_pb2.StepPlan(step_id=1))
+        assert (await old.recv()).plan.step_id == 1
+        # The old worker goes silent (hung) and is lost; a new one is served.
+        await w.link.wait_lost()
+        assert (await old.recv()).HasField("shutdown")     # told at once, should it wake
+        new = w.another()
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await new.send(_ready(pid=0, incarnation=new.incarnation))
+        await waiting
+        stepping = asyncio.ensure_future(w.link.step(engine_pb2.StepPlan(step_id=1)))
+        assert (await new.recv()).plan.step_id == 1
+        # The old one wakes: its late result and heartbeats are dropped, not taken for the new one's.
+        await old.send(_result(1, incarnation=old.incarnation, token=666))
+        for _ in range(3):
+            await old.send(_heartbeat(old.incarnation))
+        await new.send(_result(1, incarnation=new.incarnation, token=7))
+        assert list((await stepping).token_ids) == [7]
+        while w.link.num_stale_frames < 4:     # (the two workers' frames arrive in any order)
+            await asyncio.sleep(0.01)
+        for _ in range(4):      # one Shutdown per stale frame
+            told = await old.recv()
+            assert told.HasField("shutdown") and told.incarnation == old.incarnation
+        assert await new.plans.poll(100) == 0       # the new worker was told nothing
+
+    with caplog.at_level(logging.WARNING, logger="jitney.scheduler"):
+        run(body, tmp_path)
+    stale = [r for r in caplog.records if "not served" in r.getMessage()]
+    assert len(stale) == 1, [r.getMessage() for r in caplog.records]   # logged once per incarnation
+
+
+def test_a_plan_waits_for_the_route_of_a_worker_that_connects_late(tmp_path: Path) -> None:
+    async def body(w: FakeWorkerSockets) -> None:
+        incarnation = new_incarnation()
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await w.send(_ready(pid=0, incarnation=incarnation))    # its plan socket is not connected yet
+        await waiting
+        sending = asyncio.ensure_future(w.link.send_plan(engine_pb2.StepPlan(step_id=1)))
+        await asyncio.sleep(0.2)
+        assert not sending.done()
+        late = WorkerSockets(w.ctx, w.link.plan_addr, w.link.result_addr, incarnation)
+        w.workers.append(late)
+        await sending
+        got = await late.recv()
+        assert got.plan.step_id == 1 and got.incarnation == incarnation
 
     run(body, tmp_path)
 
 
 @pytest.mark.slow
 def test_real_worker_answers_garbage_with_step_errors_and_keeps_serving(tmp_path: Path) -> None:
-    """The worker process on real sockets: garbage in, StepError out, no crash."""
+    """The worker process on real sockets: garbage in, StepError out, no crash;
+    a message for another incarnation is dropped; after a failed step, plans
+    are discarded until a reset plan."""
     import subprocess
     import sys
 
     from bench.server_harness import ROOT
     from bench.tiny_models import make_tiny_llama
+    from tests.engine_sockets import SchedulerSockets
 
     model = make_tiny_llama(tmp_path / "tiny")
-    ctx = zmq.Context()
-    plans, results = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     plan_addr, result_addr = f"ipc://{tmp_path}/plan", f"ipc://{tmp_path}/result"
-    plans.bind(plan_addr)
-    results.bind(result_addr)
-    results.setsockopt(zmq.RCVTIMEO, 60_000)
+    scheduler = SchedulerSockets(plan_addr, result_addr, timeout_ms=60_000)
     proc = subprocess.Popen(
         [sys.executable, "-m", "jitney.cli", "worker", "--model", str(model), "--num-blocks", "8",
          "--dtype", "float32", "--plan-addr", plan_addr, "--result-addr", result_addr], cwd=ROOT)
 
-    def reply() -> engine_pb2.WorkerMessage:
-        while True:
-            msg = engine_pb2.WorkerMessage.FromString(results.recv())
-            if msg.WhichOneof("kind") != "heartbeat":
-                return msg
-
     try:
-        assert reply().WhichOneof("kind") == "ready"
-        bad_plan = engine_pb2.SchedulerMessage(plan=engine_pb2.StepPlan(
-            step_id=1, chunks=[engine_pb2.ScheduledChunk(seq_id=99, token_ids=[1], sample=True)]))
-        for frame, words in [(b"\xff\xfe not a protobuf", "undecodable"),
-                             (b"", "without a known kind"),
-                             (bad_plan.SerializeToString(), "bad plan")]:
-            plans.send(frame)
-            msg = reply()
+        scheduler.ready()
+        bad_plan = engine_pb2.StepPlan(
+            step_id=1, chunks=[engine_pb2.ScheduledChunk(seq_id=99, token_ids=[1], sample=True)])
+        elsewhere = engine_pb2.SchedulerMessage(plan=engine_pb2.StepPlan(step_id=9), incarnation=new_incarnation())
+        scheduler.send(raw=elsewhere.SerializeToString())     # for another incarnation: dropped unanswered
+        for message, words in [(dict(raw=b"\xff\xfe not a protobuf"), "undecodable"),
+                               (dict(), "without a known kind"),
+                               (dict(plan=bad_plan), "bad plan"),
+                               (dict(plan=engine_pb2.StepPlan(step_id=2)), "discarded: step 1 failed")]:
+            scheduler.send(**message)
+            msg = scheduler.reply()
             assert msg.WhichOneof("kind") == "error" and words in msg.error.message, msg
-        plans.send(engine_pb2.SchedulerMessage(plan=engine_pb2.StepPlan(step_id=2)).SerializeToString())
-        msg = reply()
-        assert msg.WhichOneof("kind") == "result" and msg.result.step_id == 2
-        plans.send(engine_pb2.SchedulerMessage(shutdown=engine_pb2.Shutdown()).SerializeToString())
+            assert msg.error.discarded == (words.startswith("discarded")) and msg.incarnation == scheduler.incarnation
+        scheduler.send(plan=engine_pb2.StepPlan(step_id=3, reset=True))
+        msg = scheduler.reply()
+        assert msg.WhichOneof("kind") == "result" and msg.result.step_id == 3
+        scheduler.send(shutdown=engine_pb2.Shutdown())
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        plans.close(0)
-        results.close(0)
-        ctx.term()
+        scheduler.close()

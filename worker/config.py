@@ -58,6 +58,11 @@ class WorkerConfig:
       threads: torch intra-op threads; ``None`` keeps torch's default.
       max_model_len: cap on the context length (prompt + output tokens);
         ``None`` means the model's own limit.
+      hang_timeout: seconds the serve loop may spend in one step or one wait
+        for a message before the watchdog (``worker/watchdog.py``) dumps the
+        stacks and exits the process (status 1); 0 = off. Matches the
+        scheduler's ``--worker-timeout`` default: a worker that long silent
+        has been declared lost anyway.
       attention_backend: ``auto`` (Triton kernels on CUDA, torch on CPU),
         ``torch`` or ``triton`` (on CPU only under ``TRITON_INTERPRET=1``).
       batch_invariant: whether a token's results are kept independent of the
@@ -83,6 +88,7 @@ class WorkerConfig:
     insecure_plaintext_zmq: bool = False
     threads: int | None = None
     max_model_len: int | None = None
+    hang_timeout: float = 30.0
     attention_backend: AttentionBackendName = "auto"
     batch_invariant: bool | None = None
 
@@ -107,6 +113,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if not 0 <= self.hang_timeout < float("inf"):
+            raise ValueError(f"hang_timeout must be a finite number >= 0, got {self.hang_timeout}")
         if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -144,6 +152,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -185,6 +203,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch intra-op threads (default: torch's choice)")
     group.add_argument("--max-model-len", dest="max_model_len", type=_positive_int, default=None,
                        help="cap on context length (default: the model's)")
+    group.add_argument("--hang-timeout", dest="hang_timeout", type=_non_negative_float, default=30.0,
+                       metavar="SECONDS",
+                       help="a step or a wait for a message longer than this dumps the stacks and exits "
+                            "(status 1) so the worker is restarted; 0 = off (default 30, the scheduler's "
+                            "--worker-timeout)")
     group.add_argument("--attention-backend", dest="attention_backend", choices=ATTENTION_BACKEND_CHOICES,
                        default="auto",
                        help="auto: Triton kernels on CUDA, torch on CPU; triton on CPU needs "

@@ -1,15 +1,27 @@
 """The worker process: receive step plans over ZeroMQ, send results back.
 
-Wire protocol (protos/jitney/engine/v1/engine.proto): the worker connects a
-PULL socket to ``plan_addr`` and a PUSH socket to ``result_addr``; it sends
-``WorkerMessage(ready)`` once the model and cache are up, then answers each
-``SchedulerMessage(plan)`` with a ``StepResult`` or a ``StepError``, until
-``Shutdown`` or SIGTERM. Messages are protobuf bytes, never pickle.
+Wire protocol (protos/jitney/engine/v1/engine.proto): the worker draws a
+random incarnation, connects a DEALER socket whose routing id is that
+incarnation to ``plan_addr`` (the scheduler's ROUTER) and a PUSH socket to
+``result_addr``; it sends ``WorkerMessage(ready)`` once the model and cache
+are up, then answers each ``SchedulerMessage(plan)`` with a ``StepResult`` or
+a ``StepError``, until ``Shutdown`` or SIGTERM. Every message it sends carries
+its incarnation; a message for another incarnation is dropped. Messages are
+protobuf bytes, never pickle.
+
+    after              plans are
+    Ready, a result    run
+    a StepError        discarded (StepError, discarded = true; not run, no
+                       state changed) until a plan with reset = true, which
+                       forgets every sequence and then runs
 
 A plan with masked chunks waits, after its forward, for the ``StepMasks`` of
 its step on the same socket: plans that arrive meanwhile are queued and run
 after it, in order; a Shutdown ends the worker; masks of a step that never
-waited for them (its plan was refused or failed first) are dropped.
+waited for them (its plan was refused, discarded or failed first) are dropped.
+
+The watchdog (``--hang-timeout``, ``watchdog.py``) is re-armed before every
+step and every wait for a message: a worker stuck longer exits.
 """
 
 from __future__ import annotations
@@ -25,15 +37,18 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Protocol
 
 import zmq
 from google.protobuf.message import DecodeError
 
+from jitney.common.incarnation import new_incarnation, routing_id
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.config import WorkerConfig, add_worker_arguments
 from jitney.worker.plan import PlanError
-from jitney.worker.runner import MaskError, ModelRunner
+from jitney.worker.runner import MaskError, MaskSource, ModelRunner
+from jitney.worker.watchdog import Watchdog
 
 logger = logging.getLogger("jitney.worker")
 
@@ -45,6 +60,15 @@ SOCKET_HWM = 64
 HEARTBEAT_SECONDS = 1.0
 # Far above any real plan; a bigger frame is dropped before it is read.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class Runner(Protocol):
+    """What the loop needs of a ``ModelRunner`` (tests give it fakes)."""
+
+    def ready_message(self) -> engine_pb2.Ready: ...
+
+    def execute(self, plan: engine_pb2.StepPlan,
+                wait_for_masks: MaskSource | None = None) -> engine_pb2.StepResult: ...
 
 
 class _Terminated(Exception):
@@ -73,42 +97,62 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_worker(config: WorkerConfig) -> int:
+def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner] = ModelRunner) -> int:
     """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0)."""
     if config.plan_addr is None or config.result_addr is None:
         raise ValueError("plan_addr and result_addr must be set")
     keys = load_client_keys(config.curve_keys) if config.curve_keys else None
+    incarnation = new_incarnation()
     context = zmq.Context()
-    pull = context.socket(zmq.PULL)
+    plans = context.socket(zmq.DEALER)
     push = context.socket(zmq.PUSH)
+    watchdog = Watchdog(config.hang_timeout)
     try:
-        for sock, hwm in ((pull, zmq.RCVHWM), (push, zmq.SNDHWM)):
+        for sock, hwm in ((plans, zmq.RCVHWM), (push, zmq.SNDHWM)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(hwm, SOCKET_HWM)
-        pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        client_side(pull, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
-        pull.connect(config.plan_addr)
+        plans.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        plans.setsockopt(zmq.ROUTING_ID, routing_id(incarnation))   # the scheduler addresses us by it
+        client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
+        plans.connect(config.plan_addr)
         client_side(push, config.result_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
         push.connect(config.result_addr)
         with _sigterm_exits():
-            runner = ModelRunner(config)
-            _send(push, engine_pb2.WorkerMessage(ready=runner.ready_message()))
-            logger.info("ready: plans from %s, results to %s", config.plan_addr, config.result_addr)
-            return _serve(runner, pull, push)
+            runner = make_runner(config)
+            outbox = _Outbox(push, incarnation)
+            outbox.send(engine_pb2.WorkerMessage(ready=runner.ready_message()))
+            logger.info("ready (incarnation %016x): plans from %s, results to %s",
+                        incarnation, config.plan_addr, config.result_addr)
+            return _serve(runner, _Inbox(plans, outbox, watchdog), watchdog)
     except _Terminated:
         logger.info("SIGTERM: exiting")
         return 0
     finally:
-        pull.close(linger=0)
+        watchdog.disarm()
+        plans.close(linger=0)
         push.close(linger=0)
         context.term()
 
 
-class _Inbox:
-    """The PULL socket, and the plans that arrived while a step waited for its masks."""
+class _Outbox:
+    """The PUSH socket: every message goes out stamped with this worker's incarnation."""
 
-    def __init__(self, pull: zmq.Socket, push: zmq.Socket) -> None:  # type: ignore[type-arg]
-        self.pull, self.push = pull, push
+    def __init__(self, push: zmq.Socket, incarnation: int) -> None:  # type: ignore[type-arg]
+        self.push, self.incarnation = push, incarnation
+
+    def send(self, message: engine_pb2.WorkerMessage) -> None:
+        message.incarnation = self.incarnation
+        self.push.send(message.SerializeToString())
+
+    def send_error(self, step_id: int, message: str) -> None:
+        self.send(_error(step_id, message))
+
+
+class _Inbox:
+    """The plan socket, and the plans that arrived while a step waited for its masks."""
+
+    def __init__(self, plans: zmq.Socket, outbox: _Outbox, watchdog: Watchdog) -> None:  # type: ignore[type-arg]
+        self.plans, self.outbox, self.watchdog = plans, outbox, watchdog
         self.queued: deque[tuple[engine_pb2.StepPlan, float]] = deque()   # (plan, time received)
         # Steps that ended without reading their masks: those masks are dropped when they come.
         self.unread_masks: set[int] = set()
@@ -116,18 +160,25 @@ class _Inbox:
         self.heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=os.getpid()))
 
     def receive(self) -> tuple[engine_pb2.SchedulerMessage, float] | None:
-        """The next message and when it came; None after a heartbeat's silence
-        (a heartbeat is sent) or an undecodable frame (answered with an error)."""
-        if not self.pull.poll(int(HEARTBEAT_SECONDS * 1000)):
-            _send(self.push, self.heartbeat)
+        """The next message for this incarnation and when it came; None after a
+        heartbeat's silence (a heartbeat is sent), an undecodable frame
+        (answered with an error) or a message for another incarnation (dropped)."""
+        self.watchdog.arm()
+        if not self.plans.poll(int(HEARTBEAT_SECONDS * 1000)):
+            self.outbox.send(self.heartbeat)
             return None
-        data = self.pull.recv()
+        data = self.plans.recv()
         received = time.perf_counter()
         try:
-            return engine_pb2.SchedulerMessage.FromString(data), received
+            message = engine_pb2.SchedulerMessage.FromString(data)
         except DecodeError as err:
-            _send_error(self.push, 0, f"undecodable scheduler message: {err}")
+            self.outbox.send_error(0, f"undecodable scheduler message: {err}")
             return None
+        if message.incarnation != self.outbox.incarnation:
+            logger.warning("dropped a message for incarnation %016x (this worker is %016x)",
+                           message.incarnation, self.outbox.incarnation)
+            return None
+        return message, received
 
     def next(self) -> tuple[engine_pb2.SchedulerMessage, str, float]:
         """The next message of a known kind, its kind and when it came (heartbeats
@@ -140,7 +191,7 @@ class _Inbox:
             kind = message.WhichOneof("kind")
             if kind in ("plan", "shutdown", "masks"):
                 return message, kind, received
-            _send_error(self.push, 0, f"scheduler message without a known kind ({kind})")
+            self.outbox.send_error(0, f"scheduler message without a known kind ({kind})")
 
     def wait_for_masks(self, step_id: int) -> engine_pb2.StepMasks:
         """The next masks a step can use (``runner.MaskSource``; the runner checks
@@ -165,8 +216,8 @@ class _Inbox:
             logger.warning("masks for step %d, which does not wait for any: dropped", masks.step_id)
 
 
-def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # type: ignore[type-arg]
-    inbox = _Inbox(pull, push)
+def _serve(runner: Runner, inbox: _Inbox, watchdog: Watchdog) -> int:
+    failed: int | None = None   # the step that failed; later plans are discarded until a reset
     while True:
         if inbox.queued:
             plan, received = inbox.queued.popleft()
@@ -180,19 +231,26 @@ def _serve(runner: ModelRunner, pull: zmq.Socket, push: zmq.Socket) -> int:  # t
                 continue
             plan = message.plan
         inbox.masks_read = None
-        try:
-            reply = _execute(runner, plan, inbox.wait_for_masks)
-        except _ShutdownRequested:
-            logger.info("shutdown requested while step %d waited for its masks", plan.step_id)
-            return 0
+        if failed is not None and not plan.reset:
+            reply = _discarded(plan.step_id, failed)
+        else:
+            if plan.reset:   # every message from before it was read: no masks still to come
+                inbox.unread_masks.clear()
+            watchdog.arm()
+            try:
+                reply = _execute(runner, plan, inbox.wait_for_masks)
+            except _ShutdownRequested:
+                logger.info("shutdown requested while step %d waited for its masks", plan.step_id)
+                return 0
+            failed = plan.step_id if reply.HasField("error") else None
         if any(c.masked for c in plan.chunks) and inbox.masks_read != plan.step_id:
-            inbox.unread_masks.add(plan.step_id)   # refused, or failed before its masks were read
+            inbox.unread_masks.add(plan.step_id)   # refused, discarded, or failed before its masks were read
         if reply.HasField("result"):
             reply.result.worker_seconds = time.perf_counter() - received
-        _send(push, reply)
+        inbox.outbox.send(reply)
 
 
-def _execute(runner: ModelRunner, plan: engine_pb2.StepPlan,
+def _execute(runner: Runner, plan: engine_pb2.StepPlan,
              wait_for_masks: Callable[[int], engine_pb2.StepMasks] | None = None) -> engine_pb2.WorkerMessage:
     try:
         return engine_pb2.WorkerMessage(result=runner.execute(plan, wait_for_masks))
@@ -212,12 +270,11 @@ def _error(step_id: int, message: str) -> engine_pb2.WorkerMessage:
     return engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=step_id, message=message))
 
 
-def _send_error(push: zmq.Socket, step_id: int, message: str) -> None:  # type: ignore[type-arg]
-    _send(push, _error(step_id, message))
-
-
-def _send(push: zmq.Socket, message: engine_pb2.WorkerMessage) -> None:  # type: ignore[type-arg]
-    push.send(message.SerializeToString())
+def _discarded(step_id: int, failed: int) -> engine_pb2.WorkerMessage:
+    """The answer to a plan made before the scheduler knew that step ``failed`` failed."""
+    message = f"discarded: step {failed} failed, and no reset plan came since"
+    logger.warning("step %d %s", step_id, message)
+    return engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=step_id, message=message, discarded=True))
 
 
 def main(argv: list[str] | None = None) -> int:

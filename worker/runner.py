@@ -146,7 +146,7 @@ class ModelRunner:
     def ready_message(self) -> engine_pb2.Ready:
         """The handshake: model facts, cache geometry and the step limits."""
         return engine_pb2.Ready(
-            protocol_version=engine_pb2.PROTOCOL_VERSION_1,
+            protocol_version=engine_pb2.PROTOCOL_VERSION_2,
             model_name=self.facts.name,
             vocab_size=self.facts.vocab_size,
             context_length=self.facts.context_length,
@@ -167,19 +167,31 @@ class ModelRunner:
         """Run one step. Raises ``PlanError`` (state untouched) on a bad plan,
         ``MaskError`` on masks that do not fit it.
 
+        A ``reset`` plan is checked and applied as if no sequence were known:
+        the runner forgets every sequence first (after a failed step).
         ``wait_for_masks``: needed by a plan with masked chunks; called once,
         with the step id, after the forward was launched (see ``MaskSource``).
         """
-        validate_plan(plan, self.sequences, self.limits)
+        validate_plan(plan, {} if plan.reset else self.sequences, self.limits)
         masked = [c.seq_id for c in plan.chunks if c.masked]
         if masked and wait_for_masks is None:
             raise PlanError(f"step {plan.step_id}: masked chunks, but no masks to wait for")
+        if plan.reset:
+            self._forget_all()
         self._apply(plan)
         result = engine_pb2.StepResult(step_id=plan.step_id)
         if plan.chunks:
             masking = (plan.step_id, masked, wait_for_masks) if masked and wait_for_masks is not None else None
             self._run(self._chunks(plan), result, masking)
         return result
+
+    def _forget_all(self) -> None:
+        """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
+        for sid in self.sequences:
+            self.batch.remove(sid)
+        self.sequences.clear()
+        self._scoring.clear()
+        self._prompt_carry.clear()
 
     def _apply(self, plan: engine_pb2.StepPlan) -> None:
         """The plan's diffs, to the sequence states and to the persistent batch's rows."""
