@@ -58,7 +58,9 @@ def open_channel(target: str, *, tls: TlsFiles | None = None, api_key: str | Non
 def open_aio_channel(target: str, *, tls: TlsFiles | None = None, api_key: str | None = None,
                      options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """``open_channel`` for asyncio."""
-    interceptors = [_AioBearerKey(api_key)] if api_key else None
+    # grpc.aio files each interceptor under one kind only: one object per kind.
+    interceptors: list[Any] | None = ([_AioUnaryBearerKey(api_key), _AioStreamBearerKey(api_key)]
+                                      if api_key else None)
     if tls is not None:
         return grpc.aio.secure_channel(target, tls.credentials(), options=list(options),
                                        interceptors=interceptors)
@@ -102,9 +104,9 @@ class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
         return continuation(self._details(details), requests)
 
 
-class _AioBearerKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds the key to every unary-request call of an asyncio channel (all of
-    jitney.v1's calls are unary-request)."""
+class _AioBearerKey:
+    """Adds the key to the calls of an asyncio channel (jitney.v1's calls are all
+    unary-request: unary-unary and unary-stream)."""
 
     def __init__(self, api_key: str) -> None:
         self._entry = _bearer(api_key)
@@ -114,8 +116,12 @@ class _AioBearerKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamCl
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                           details.credentials, details.wait_for_ready)
 
+
+class _AioUnaryBearerKey(_AioBearerKey, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioStreamBearerKey(_AioBearerKey, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)

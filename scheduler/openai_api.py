@@ -883,7 +883,9 @@ async def _send(response: web.StreamResponse, obj: Mapping[str, Any]) -> None:
     await response.write(f"data: {_dumps(obj)}\n\n".encode())
 
 
-KEY_NAME = "jitney.api_key_name"   # where _authenticate leaves the key's name in a request
+# Where _authenticate leaves the key's name in a request (aiohttp < 3.12 has no RequestKey).
+KEY_NAME: Any = (web.RequestKey("jitney_api_key_name", str) if hasattr(web, "RequestKey")
+                 else "jitney_api_key_name")
 OPEN_PATHS = frozenset({"/health"})
 
 

@@ -15,8 +15,6 @@ are made at test time.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -28,7 +26,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,8 +34,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.certs import Pki, make_pki
 from bench.server_harness import free_port, running_server
-from jitney.client.channel import TlsFiles, open_channel
+from jitney.client.channel import TlsFiles, open_aio_channel, open_channel
 from jitney.common.model_files import load_tokenizer, resolve_model
 from jitney.scheduler.auth import UNAUTHENTICATED_MESSAGE, KeyLimiter, KeyLimitError, bearer_token
 from jitney.scheduler.main import SchedulerProcessConfig, serve
@@ -56,80 +54,12 @@ PROMPT = "zebra quokka passphrase xylophone"     # distinctive: searched for in 
 TIMEOUT = 10.0
 
 
-# -- certificates ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    stranger_cert: Path      # a client certificate from another CA
-    stranger_key: Path
-
-
-def _make_pki(folder: Path) -> Pki:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def cert(name: str, key: Any, issuer: tuple[x509.Name, Any] | None, *, ca: bool = False,
-             server: bool = False) -> x509.Certificate:
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        issuer_name, issuer_key = issuer if issuer is not None else (subject, key)
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if ca:
-            builder = builder.add_extension(x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                key_encipherment=False, data_encipherment=False, key_agreement=False,
-                encipher_only=False, decipher_only=False), critical=True)
-        elif server:
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False).add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        else:
-            builder = builder.add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    def write(name: str, obj: Any) -> Path:
-        path = folder / name
-        if isinstance(obj, x509.Certificate):
-            path.write_bytes(obj.public_bytes(serialization.Encoding.PEM))
-        else:
-            path.write_bytes(obj.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-        return path
-
-    def new_key() -> Any:
-        return ec.generate_private_key(ec.SECP256R1())
-
-    ca_key, other_ca_key, server_key, client_key, stranger_key = (new_key() for _ in range(5))
-    ca = cert("jitney test CA", ca_key, None, ca=True)
-    other_ca = cert("another CA", other_ca_key, None, ca=True)
-    return Pki(write("ca.pem", ca),
-               write("server.pem", cert("jitney server", server_key, (ca.subject, ca_key), server=True)),
-               write("server.key", server_key),
-               write("client.pem", cert("jitney client", client_key, (ca.subject, ca_key))),
-               write("client.key", client_key),
-               write("stranger.pem", cert("stranger", stranger_key, (other_ca.subject, other_ca_key))),
-               write("stranger.key", stranger_key))
+# -- fixtures -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return _make_pki(tmp_path_factory.mktemp("pki"))
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +246,19 @@ def test_the_right_key_generates(plain: InProcessScheduler) -> None:
     assert sum(len(m.token_ids) for m in streamed) == 5
     assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT).vocab_size == 320
     assert stub.GetServerStats(pb.GetServerStatsRequest(), timeout=TIMEOUT).kv_blocks_total > 0
+
+
+def test_asyncio_channels_carry_the_key_on_every_kind_of_call(plain: InProcessScheduler) -> None:
+    async def calls() -> tuple[int, int]:
+        async with open_aio_channel(plain.target, api_key=BOB) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
+            tokens = 0
+            async for msg in stub.GenerateStream(pb.GenerateStreamRequest(params=_params(3)), timeout=TIMEOUT):
+                tokens += len(msg.token_ids)
+            return info.vocab_size, tokens
+
+    assert asyncio.run(calls()) == (320, 3)
 
 
 def test_health_and_reflection_answer_without_a_key(plain: InProcessScheduler) -> None:
