@@ -357,10 +357,11 @@ def test_every_way_a_request_ends_gives_its_slot_back(plain: InProcessScheduler)
     # the client goes away: a process killed in the middle of a stream, a channel
     # closed under a unary call
     _killed_while_streaming(plain.target, BOB)
+    _until(lambda: _running(plain.stub(ALICE)) == (0, 0), "the killed client's stream still runs")
     gone = open_channel(plain.target, api_key=BOB)
     future = pb_grpc.GenerationServiceStub(gone).Generate.future(pb.GenerateRequest(params=_params(400)),
                                                                  timeout=30)
-    _until(lambda: _running(plain.stub(ALICE))[0] >= 1, "the unary call is running")
+    _until(lambda: _running(plain.stub(ALICE)) == (1, 0), "the unary call is not running")
     gone.close()
     assert future.exception() is not None
     _assert_key_has_slots(plain, BOB)
@@ -541,6 +542,22 @@ def test_flag_combinations_and_files(tmp_path: Path, pki: Pki, key_file: Path) -
     security, warnings = load_security(str(pki.server_cert), str(pki.server_key), str(pki.ca),
                                        str(key_file), 4)
     assert security.tls is not None and security.tls.client_ca is not None and warnings == []
+
+
+def test_jitney_serve_hands_the_flags_to_its_scheduler() -> None:
+    from jitney.cli import build_parser
+    from jitney.scheduler.supervisor import child_argv
+
+    parser = build_parser()
+    flags = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
+             "--api-key-file", "keys.txt", "--max-requests-per-key", "3"]
+    sub = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    argv = child_argv(sub["scheduler"], parser.parse_args(["serve", *flags]))
+    cfg = SchedulerProcessConfig.from_namespace(parser.parse_args(["scheduler", *argv]))
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, cfg.api_key_file, cfg.max_requests_per_key) \
+        == ("c.pem", "k.pem", "ca.pem", "keys.txt", 3)
+    plain = SchedulerProcessConfig.from_namespace(parser.parse_args(["scheduler"]))
+    assert (plain.tls_cert, plain.api_key_file, plain.max_requests_per_key) == (None, None, None)
 
 
 def test_jitney_refuses_to_start_on_bad_security_flags(tmp_path: Path, pki: Pki,
