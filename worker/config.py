@@ -21,6 +21,8 @@ DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
 AttentionBackendName = Literal["auto", "torch", "triton"]
 ATTENTION_BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
+# Shortest watchdog timeout: an idle worker's loop waits up to 1 s for a message.
+MIN_HANG_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,10 @@ class WorkerConfig:
         ``None`` means the model's own limit.
       hang_timeout: seconds the serve loop may spend in one step or one wait
         for a message before the watchdog (``worker/watchdog.py``) dumps the
-        stacks and exits the process (status 1); 0 = off. Matches the
-        scheduler's ``--worker-timeout`` default: a worker that long silent
-        has been declared lost anyway.
+        stacks and exits the process (status 1); 0 = off, else at least
+        ``MIN_HANG_TIMEOUT`` (an idle worker waits 1 s between heartbeats).
+        Matches the scheduler's ``--worker-timeout`` default: a worker that
+        long silent has been declared lost anyway.
       attention_backend: ``auto`` (Triton kernels on CUDA, torch on CPU),
         ``torch`` or ``triton`` (on CPU only under ``TRITON_INTERPRET=1``).
       batch_invariant: whether a token's results are kept independent of the
@@ -72,6 +75,10 @@ class WorkerConfig:
         linear layers for the Triton batch-invariant matmul
         (``worker/triton_matmul.py``); ``False`` on the CPU uses oneDNN's
         faster but batch-size-dependent kernels.
+      weights_cache: folder of the converted-weights cache
+        (``worker/weights_cache.py``); ``None`` = ``$JITNEY_WEIGHTS_CACHE`` or
+        ``~/.cache/jitney/weights``.
+      use_weights_cache: False loads from the model's files every time.
     """
 
     model: str | None = None
@@ -91,6 +98,8 @@ class WorkerConfig:
     hang_timeout: float = 30.0
     attention_backend: AttentionBackendName = "auto"
     batch_invariant: bool | None = None
+    weights_cache: str | None = None
+    use_weights_cache: bool = True
 
     def __post_init__(self) -> None:
         # Guards programmatic construction; the CLI reports the same errors
@@ -113,8 +122,9 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError("kv_cache_gib must be > 0")
-        if not 0 <= self.hang_timeout < float("inf"):
-            raise ValueError(f"hang_timeout must be a finite number >= 0, got {self.hang_timeout}")
+        if self.hang_timeout != 0 and not MIN_HANG_TIMEOUT <= self.hang_timeout < float("inf"):
+            raise ValueError(f"hang_timeout must be 0 (off) or a finite number >= {MIN_HANG_TIMEOUT:g}, "
+                             f"got {self.hang_timeout}")
         if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -155,13 +165,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def _hang_timeout(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if value != 0 and not MIN_HANG_TIMEOUT <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a finite number >= {MIN_HANG_TIMEOUT:g}, got {text}")
     return value
 
 
@@ -203,10 +213,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch intra-op threads (default: torch's choice)")
     group.add_argument("--max-model-len", dest="max_model_len", type=_positive_int, default=None,
                        help="cap on context length (default: the model's)")
-    group.add_argument("--hang-timeout", dest="hang_timeout", type=_non_negative_float, default=30.0,
+    group.add_argument("--hang-timeout", dest="hang_timeout", type=_hang_timeout, default=30.0,
                        metavar="SECONDS",
                        help="a step or a wait for a message longer than this dumps the stacks and exits "
-                            "(status 1) so the worker is restarted; 0 = off (default 30, the scheduler's "
+                            "(status 1) so the worker is restarted; 0 = off, else >= 2 (default 30, the scheduler's "
                             "--worker-timeout)")
     group.add_argument("--attention-backend", dest="attention_backend", choices=ATTENTION_BACKEND_CHOICES,
                        default="auto",
@@ -217,3 +227,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a token's results never depend on its batch: the Triton matmul on CUDA (slower); "
                             "--no-batch-invariant lets the CPU use oneDNN's faster kernels "
                             "(default: on for the CPU, off on CUDA)")
+    group.add_argument("--weights-cache", dest="weights_cache", default=None, metavar="DIR",
+                       help="keep converted weights here, so later starts load in seconds "
+                            "(default: $JITNEY_WEIGHTS_CACHE or ~/.cache/jitney/weights)")
+    group.add_argument("--no-weights-cache", dest="use_weights_cache", action="store_false",
+                       help="always convert the model from its files; write no cache")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+import mmap
+
 import torch
 
 GIB = 1024**3
@@ -77,11 +80,17 @@ class PagedKVCache:
         g = geometry
         # (2, layers, num_blocks, block_size, kvh, d); zeroed so padding reads
         # are finite (they are masked, but NaN * 0 would still be NaN).
-        self.tensor = torch.zeros(
-            (2, g.num_layers, num_blocks, g.block_size, g.num_kv_heads, g.head_dim),
-            dtype=g.dtype,
-            device=device,
-        )
+        shape = (2, g.num_layers, num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        self._pages: mmap.mmap | None = None
+        if device.type == "cpu":
+            # Anonymous memory that the kernel zeroes page by page on first
+            # touch: a 2 GiB cache costs nothing until used, instead of ~1 s
+            # of memset on every start (a restarted worker waits for it).
+            nbytes = math.prod(shape) * g.dtype.itemsize
+            self._pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(self._pages, dtype=g.dtype, count=math.prod(shape)).view(shape)
+        else:
+            self.tensor = torch.zeros(shape, dtype=g.dtype, device=device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
 from jitney.worker import cpu_kernels
 from jitney.worker.backends import BackendUnavailableError
 from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
-from jitney.worker.model import CausalLM, ModelConfig, RopeScaling
+from jitney.worker.model import CausalLM, ModelConfig, ModelFacts, RopeScaling
+from jitney.worker.weights_cache import WeightsCache
 
 logger = logging.getLogger("jitney.worker")
 
@@ -29,16 +30,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 class UnsupportedModelError(ValueError):
     """The model is not one this worker can run."""
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the scheduler needs to know about the model (sent in Ready)."""
-
-    name: str
-    vocab_size: int
-    context_length: int
-    eos_token_ids: tuple[int, ...]
 
 
 def load_hf_config(files: ModelFiles) -> Any:
@@ -104,22 +95,32 @@ def _rope_from_hf(hf: Any) -> tuple[float, RopeScaling | None]:
 
 def model_facts(files: ModelFiles, hf: Any, max_model_len: int | None) -> ModelFacts:
     """Name, vocabulary size, context length and EOS ids of the model."""
+    return cap_context(source_facts(files, hf), max_model_len)
+
+
+def source_facts(files: ModelFiles, hf: Any) -> ModelFacts:
+    """The model's facts as its files state them (no ``--max-model-len`` cap)."""
     context = int(hf.max_position_embeddings)
     window = getattr(hf, "sliding_window", None)
     if window and (hf.model_type == "mistral" or getattr(hf, "use_sliding_window", False)):
         # Capping the context at the window makes windowed attention exact
         # without implementing it.
         context = min(context, int(window))
-    if max_model_len is not None:
-        if max_model_len > context:
-            logger.warning("max_model_len %d exceeds the model's %d; using %d", max_model_len, context, context)
-        context = min(context, max_model_len)
     return ModelFacts(
         name=files.name,
         vocab_size=int(hf.vocab_size),
         context_length=context,
         eos_token_ids=_eos_token_ids(files, hf),
     )
+
+
+def cap_context(facts: ModelFacts, max_model_len: int | None) -> ModelFacts:
+    if max_model_len is None:
+        return facts
+    if max_model_len > facts.context_length:
+        logger.warning("max_model_len %d exceeds the model's %d; using %d",
+                       max_model_len, facts.context_length, facts.context_length)
+    return replace(facts, context_length=min(facts.context_length, max_model_len))
 
 
 def _eos_token_ids(files: ModelFiles, hf: Any) -> tuple[int, ...]:
@@ -221,20 +222,36 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
 
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-    *, batch_invariant: bool = False,
+    *, batch_invariant: bool = False, weights_cache: WeightsCache | None = None,
 ) -> tuple[CausalLM, ModelFacts]:
     """Load ``model`` (path or ``None`` = bundled default) ready to run.
 
     ``batch_invariant`` swaps the linear layers for batch-invariant ones
-    (``_swap_linears``).
+    (``_swap_linears``). With a ``weights_cache``, the config, the facts and
+    (for GGUF) the converted tensors come from its entry for these files and
+    this dtype, and a miss writes the entry (``weights_cache.py``).
     """
     started = time.perf_counter()
     files = resolve_model(model)
-    hf = load_hf_config(files)
-    cfg = model_config_from_hf(hf)
-    facts = model_facts(files, hf, max_model_len)
-    config_done = time.perf_counter()
-    state = load_state_dict(files, hf, dtype)
+    cached = weights_cache.read(files, dtype) if weights_cache is not None else None
+    if cached is not None:
+        cfg, facts = cached.config, cached.facts
+        config_done = time.perf_counter()
+        state = cached.state if cached.state is not None else load_state_dict(files, None, dtype)
+        source = f"weights cache {weights_cache.root if weights_cache else ''}"
+    else:
+        hf = load_hf_config(files)
+        cfg = model_config_from_hf(hf)
+        facts = source_facts(files, hf)
+        config_done = time.perf_counter()
+        state = load_state_dict(files, hf, dtype)
+        source = "source files"
+        if weights_cache is not None:
+            kept = state if files.gguf_file is not None else None
+            written = weights_cache.write(files, dtype, cfg, facts, kept)
+            if written is not None:
+                logger.info("wrote the converted model to the weights cache (%s)", written)
+    facts = cap_context(facts, max_model_len)
     read_done = time.perf_counter()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some checkpoints store the tied copy
@@ -246,8 +263,8 @@ def load_model(
     if state:
         logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(state)[:8]))
     logger.info(
-        "loaded %s (%s, %s): config %.2fs, weights read %.2fs, placed %.2fs",
-        facts.name, dtype, device, config_done - started, read_done - config_done,
+        "loaded %s (%s, %s) from %s: config %.2fs, weights read %.2fs, placed %.2fs",
+        facts.name, dtype, device, source, config_done - started, read_done - config_done,
         time.perf_counter() - read_done,
     )
     return net, facts

@@ -57,6 +57,16 @@ class ModelConfig:
     mlp_bias: bool = False
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the scheduler needs to know about the model (sent in Ready)."""
+
+    name: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 whatever the weight dtype."""
 
@@ -172,7 +182,10 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given an empty weight, the embedding skips its random init: on the meta
+        # device, normal_ would import sympy (~1.5 s of a restarted worker's start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ from jitney.worker.loader import load_model
 from jitney.worker.plan import PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
 from jitney.worker.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.warmup import profile_activations, warm_up
+from jitney.worker.weights_cache import WeightsCache, default_root
 
 logger = logging.getLogger("jitney.worker")
 
@@ -101,8 +103,10 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
         self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype)
+        cache = (WeightsCache(Path(config.weights_cache) if config.weights_cache else default_root())
+                 if config.use_weights_cache else None)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
-                                            batch_invariant=self.batch_invariant)
+                                            batch_invariant=self.batch_invariant, weights_cache=cache)
         loaded = time.perf_counter()
         self.model.use_backend(make_attention_backend(config.attention_backend, self.device,
                                                       batch_invariant=self.batch_invariant),

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from jitney.worker.runner import ModelRunner
 
 GRAPH_MARGIN = 1.25
+CPU_WARMUP_PREFILL = 32
 # Seq ids of the warm-up's sequences: far above any the scheduler hands out first.
 WARMUP_SEQ_BASE = 1 << 62
 
@@ -108,6 +109,10 @@ def warm_up(runner: ModelRunner) -> None:
     # The long prefill fills the step budget, as far as the cache and the context allow.
     long = max(2, min(limits.max_num_batched_tokens - 4, limits.context_length - 4,
                       (limits.num_blocks - 8) * bs))
+    if runner.device.type != "cuda":
+        # Nothing is compiled per shape on the CPU: a short prefill touches the
+        # same code, and a restarted worker does not spend ~1 s on a long one.
+        long = min(long, CPU_WARMUP_PREFILL)
     lens = [long, 2, 2, 3]
     if limits.max_num_seqs < 4 or limits.num_blocks < sum(-(-(n + 2) // bs) for n in lens):
         lens, ids, sampling = lens[:1], ids[:1], sampling[:1]
