@@ -136,7 +136,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a schedule() call would have anything to send."""
-        return bool(self._waiting or self._running or self._pending_freed or self._held)
+        return bool(self._waiting or self._running or self._pending_freed or self._held or self._reset_worker)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; advances the scheduled requests' progress."""

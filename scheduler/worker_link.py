@@ -9,15 +9,12 @@ Each frame is one serialized protobuf message of the engine contract
 (``protos/jitney/engine/v1``); nothing is ever pickled. A frame that does not
 parse is logged and dropped, never acted on.
 
-Fencing. A worker process has a random incarnation (``jitney.common.
-incarnation``): it is on every WorkerMessage and is the routing id of the
-worker's DEALER. Every SchedulerMessage is addressed, through the ROUTER, to
-the incarnation being served (and carries it), so a worker that was declared
-lost but is still connected (hung, over tcp://) never receives a plan meant
-for its successor, as it would from a PUSH socket's round robin. Any
-message but a Ready from another incarnation is dropped and counted
-(``num_stale_frames``; logged once per incarnation), and that incarnation is
-told to shut down, so a woken old worker exits at once.
+Fencing: a worker has a random incarnation (``jitney.common.incarnation``),
+on every WorkerMessage and as its DEALER's routing id. Every SchedulerMessage
+goes through the ROUTER to the served incarnation only (a lost but still
+connected worker gets none); any message but a Ready from another
+incarnation is dropped, counted (``num_stale_frames``), logged once per
+incarnation and answered with a Shutdown. See docs/architecture.md.
 
 One task (the pump) reads every frame and keeps the link's view of the
 worker:

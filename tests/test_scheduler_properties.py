@@ -1,4 +1,4 @@
-"""Property test: random add / step / abort / finish / preempt against the fake worker.
+"""Property test: random add / step / abort / finish / preempt / failed step against the fake worker.
 
 After every operation: block manager and scheduler invariants, budget and
 seats (checked by drive_step), and the worker's live sequences agree with
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from fake_worker import FakeWorker, drive_step, make_request, reference_output
+from fake_worker import FakeWorker, drive_step, make_request, reference_output, wire_plan
 from jitney.scheduler.block_manager import cdiv
 from jitney.scheduler.config import SchedulerConfig
 from jitney.scheduler.request import FinishReason, Request
@@ -50,6 +50,11 @@ class Preempt:
     index: int           # into the running requests: force its preemption between steps
 
 
+@dataclass(frozen=True)
+class Fail:
+    ran: bool            # the worker changed its state before it failed the step
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> SchedulerConfig:
     block_size = draw(st.sampled_from([1, 2, 4]))
@@ -75,6 +80,7 @@ operations = st.lists(st.one_of(
     adds, adds, st.just(Step()), st.just(Step()),
     st.builds(Cut, st.integers(0, 100), st.booleans()),
     st.builds(Preempt, st.integers(0, 100)),
+    st.builds(Fail, st.booleans()),
 ), min_size=1, max_size=60)
 
 
@@ -87,11 +93,13 @@ class Harness:
         self.requests: list[Request] = []
         self.cut: set[int] = set()
 
-    def apply(self, op: Add | Step | Cut | Preempt) -> None:
+    def apply(self, op: Add | Step | Cut | Preempt | Fail) -> None:
         if isinstance(op, Add):
             self._add(op)
         elif isinstance(op, Preempt):
             self._preempt(op.index)
+        elif isinstance(op, Fail):
+            self._fail(op.ran)
         elif isinstance(op, Step):
             output, _ = drive_step(self.scheduler, self.worker)
             if output.preempted:
@@ -108,6 +116,23 @@ class Harness:
             self.scheduler._preempt(victim, SchedulerOutput(step_id=0))
             assert victim.block_ids == [] and victim.num_computed_tokens == 0
             event("forced preemption")
+
+    def _fail(self, ran: bool) -> None:
+        """The worker fails the next step (as the engine recovers): its
+        requests end, every other running one is preempted, the next plan
+        resets the worker."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return
+        if ran:
+            self.worker.execute(wire_plan(output))
+        for chunk in output.scheduled:
+            if self.scheduler.abort_request(chunk.request.seq_id, FinishReason.ABORTED) is not None:
+                self.cut.add(chunk.request.seq_id)
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.scheduler.recover_from_failed_step([output])
+        assert self.scheduler.num_running == 0 and self.scheduler.block_manager.num_used_blocks == 0
+        event("failed step")
 
     def _add(self, op: Add) -> None:
         limit = self.scheduler.config.max_model_len
@@ -133,8 +158,8 @@ class Harness:
     def check(self) -> None:
         s = self.scheduler
         s.check_invariants()
-        on_worker = s._on_worker | set(s._pending_freed)
-        assert set(self.worker.seqs) == on_worker
+        if not s._reset_worker:    # (else the next plan drops the worker's sequences)
+            assert set(self.worker.seqs) == s._on_worker | set(s._pending_freed)
 
     def drain(self) -> None:
         for _ in range(2000):
@@ -157,7 +182,7 @@ class Harness:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), first=st.lists(adds, min_size=2, max_size=8), ops=operations)
 def test_random_operations_keep_invariants_and_outputs(
-        config: SchedulerConfig, first: list[Add], ops: list[Add | Step | Cut | Preempt]) -> None:
+        config: SchedulerConfig, first: list[Add], ops: list[Add | Step | Cut | Preempt | Fail]) -> None:
     harness = Harness(config)
     for op in [*first, *ops]:
         harness.apply(op)
