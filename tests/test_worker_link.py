@@ -197,6 +197,20 @@ def test_frames_of_a_stale_incarnation_are_dropped_counted_and_told_to_shut_down
     assert len(stale) == 1, [r.getMessage() for r in caplog.records]   # logged once per incarnation
 
 
+def test_a_worker_that_outlived_its_scheduler_is_told_to_shut_down(tmp_path: Path) -> None:
+    """A new scheduler hears heartbeats from a worker that never sent it a
+    Ready: it tells that worker to exit (restarted, it sends a Ready)."""
+    async def body(w: FakeWorkerSockets) -> None:
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await w.send(_heartbeat())
+        told = await w.workers[0].recv()
+        assert told.HasField("shutdown") and told.incarnation == WORKER_INCARNATION
+        assert not waiting.done() and w.link.num_stale_frames == 1
+        waiting.cancel()
+
+    run(body, tmp_path)
+
+
 def test_a_plan_waits_for_the_route_of_a_worker_that_connects_late(tmp_path: Path) -> None:
     async def body(w: FakeWorkerSockets) -> None:
         incarnation = new_incarnation()
