@@ -25,3 +25,13 @@ def test_boolean_flags_reach_the_worker_as_given(flags: list[str], expected: boo
     again = WorkerConfig.from_namespace(parser.parse_args(argv))
     assert again.batch_invariant is expected
     assert (again.dtype, again.threads) == ("float32", 2)
+
+
+@pytest.mark.parametrize("flags,expected", [([], True), (["--no-weights-cache"], False)])
+def test_store_false_flags_reach_the_worker_as_given(flags: list[str], expected: bool) -> None:
+    # A store_false flag's default is True: re-created only when it was given
+    # (passing it for its default turned the weights cache off in every child).
+    parser = worker_parser()
+    argv = child_argv(parser, parser.parse_args(flags))
+    assert ("--no-weights-cache" in argv) is not expected
+    assert WorkerConfig.from_namespace(parser.parse_args(argv)).use_weights_cache is expected

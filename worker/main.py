@@ -43,6 +43,7 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from jitney.common.incarnation import new_incarnation, routing_id
+from jitney.common.supervision import READY_FD_ENV
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.config import WorkerConfig, add_worker_arguments
@@ -123,6 +124,7 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
             outbox.send(engine_pb2.WorkerMessage(ready=runner.ready_message()))
             logger.info("ready (incarnation %016x): plans from %s, results to %s",
                         incarnation, config.plan_addr, config.result_addr)
+            _tell_supervisor_ready()
             return _serve(runner, _Inbox(plans, outbox, watchdog), watchdog)
     except _Terminated:
         logger.info("SIGTERM: exiting")
@@ -275,6 +277,20 @@ def _discarded(step_id: int, failed: int) -> engine_pb2.WorkerMessage:
     message = f"discarded: step {failed} failed, and no reset plan came since"
     logger.warning("step %d %s", step_id, message)
     return engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=step_id, message=message, discarded=True))
+
+
+def _tell_supervisor_ready() -> None:
+    """Under `jitney serve`: one byte on the pipe the supervisor gave
+    (``JITNEY_READY_FD``), so it knows this worker came up (its restart policy
+    tells a worker that died serving from one that cannot start)."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is None:
+        return
+    try:
+        os.write(int(fd), b"r")
+        os.close(int(fd))
+    except (OSError, ValueError) as err:
+        logger.warning("could not tell the supervisor this worker is ready (%s=%s): %s", READY_FD_ENV, fd, err)
 
 
 def main(argv: list[str] | None = None) -> int:

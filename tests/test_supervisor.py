@@ -1,0 +1,55 @@
+"""The supervisor's restart policy (scheduler/supervisor.py), with stand-in
+processes: a worker that dies serving is restarted at once; one that dies
+before its Ready backs off and, past the limit, stops `jitney serve`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from jitney.common.supervision import READY_FD_ENV
+from jitney.scheduler.supervisor import _Supervisor
+
+# A stand-in worker: logs its start time, says Ready (or not), lives a while, dies.
+WORKER = f"""
+import os, sys, time
+with open(sys.argv[1], "a") as log:
+    log.write(f"{{time.monotonic()}}\\n")
+if sys.argv[2] == "ready":
+    fd = int(os.environ["{READY_FD_ENV}"])
+    os.write(fd, b"r")
+    os.close(fd)
+time.sleep(float(sys.argv[3]))
+sys.exit(3)
+"""
+
+
+def _starts(log: Path) -> list[float]:
+    return [float(line) for line in log.read_text().split()] if log.exists() else []
+
+
+def _supervise(tmp_path: Path, ready: str, lives: float, scheduler_seconds: float,
+               max_restarts: int = 5) -> tuple[int, list[float]]:
+    log = tmp_path / "starts"
+    scheduler = [sys.executable, "-c", f"import time; time.sleep({scheduler_seconds})"]
+    worker = [sys.executable, "-c", WORKER, str(log), ready, str(lives)]
+    code = _Supervisor(scheduler, worker, max_restarts, drain_seconds=1.0).run()
+    return code, _starts(log)
+
+
+def test_a_worker_that_dies_serving_is_restarted_at_once_and_without_limit(tmp_path: Path) -> None:
+    code, starts = _supervise(tmp_path, "ready", lives=0.3, scheduler_seconds=4.0, max_restarts=1)
+    assert code == 0                      # the scheduler's own status: nothing gave up
+    assert len(starts) >= 5, starts       # far past --max-worker-restarts 1
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # Each gap is the worker's life (0.3 s) plus its interpreter start: no backoff.
+    assert max(gaps) < 0.3 + 0.5 + 1.0, gaps
+
+
+def test_a_worker_that_dies_before_ready_backs_off_then_stops_serve(tmp_path: Path) -> None:
+    code, starts = _supervise(tmp_path, "not-ready", lives=0.0, scheduler_seconds=60.0, max_restarts=2)
+    assert code == 1                      # gave up long before the scheduler's 60 s
+    assert len(starts) == 3, starts       # the first start and two restarts
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[0] >= 0.5 and gaps[1] >= 1.0, gaps   # 0.5 s, then 1 s of backoff
