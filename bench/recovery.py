@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -144,7 +145,7 @@ def main() -> int:
         runs = restarts(args, Path(tmp), ns.kills, ns.clients, ns.between)
     serving = [r["serving_s"] for r in runs]
     first = [r["first_completion_s"] for r in runs]
-    summary = {
+    summary: dict[str, Any] = {
         "cold_start_s": cold, "warm_start_s": warm, "kills": len(runs),
         "restart_to_serving_s": {"p50": statistics.median(serving), "max": max(serving), "all": serving},
         "restart_to_first_completion_s": {"p50": statistics.median(first), "max": max(first), "all": first},

@@ -151,8 +151,10 @@ def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace)
         load_client_keys(ns.curve_keys)
     sub = cast("dict[str, argparse.ArgumentParser]",
                parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    standby = ns.standby_worker if ns.standby_worker is not None else ns.device == "cpu"
     return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
-                     max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds)
+                     max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds,
+                     standby=standby)
 
 
 if __name__ == "__main__":

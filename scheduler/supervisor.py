@@ -3,8 +3,9 @@
 The two talk over ipc:// sockets in a private temporary folder.
 
     event                       what the supervisor does
-    worker exits after its      start a new one at once: the worker died
-    Ready (not asked)           serving (killed, out of memory), and every
+    worker exits after its      activate the standby worker (below), else
+    Ready (not asked)           start a new one at once: the worker died
+                                serving (killed, out of memory), and every
                                 second counts. The scheduler fails its
                                 requests and serves the new one's Ready.
     worker exits before its     a crash loop: start a new one after a backoff
@@ -18,6 +19,14 @@ The two talk over ipc:// sockets in a private temporary folder.
 
 A worker tells the supervisor it is ready through a pipe
 (``jitney.common.supervision``).
+
+Standby (``--standby-worker``, on by default on the CPU): once the worker
+serves, a second worker process starts, loads the model, sizes its cache,
+warms up, and waits on a pipe without connecting to the scheduler. When the
+serving worker dies, one byte on that pipe makes the standby connect and
+send its Ready: the scheduler serves again within a fraction of a second,
+instead of the seconds a fresh process needs for its imports and its load
+(bench/recovery.py). A new standby then starts behind it.
 """
 
 from __future__ import annotations
@@ -31,12 +40,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from jitney.common.supervision import READY_FD_ENV
+from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
 
 STOP_GRACE_SECONDS = 10.0
 RESTART_WINDOW_SECONDS = 300.0
 MAX_BACKOFF_SECONDS = 10.0
 POLL_SECONDS = 0.05
+STANDBY_DELAY_SECONDS = 5.0
 
 
 def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +54,11 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restarts of a worker that died before it was ready allowed within "
                              "5 minutes before `jitney serve` gives up (default 5; 0 = never); "
                              "a worker that dies while serving is always restarted at once")
+    parser.add_argument("--standby-worker", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep a second worker loaded and waiting, which takes over within a "
+                             "fraction of a second when the serving one dies; it costs one more copy "
+                             "of the weights in memory (default: on for --device cpu, off for cuda, "
+                             "where it would hold a second KV cache's worth of GPU memory)")
 
 
 def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
@@ -68,29 +83,94 @@ def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[
     return argv
 
 
+@dataclass(eq=False)
+class _WorkerProcess:
+    """A worker process and its two pipes to the supervisor."""
+
+    proc: subprocess.Popen[bytes]
+    ready_pipe: int | None          # read end: one byte once its Ready is sent
+    activate_pipe: int | None       # write end (a standby only): one byte starts it
+    ready: bool = False
+    ready_since: float | None = None
+
+    @classmethod
+    def start(cls, cmd: list[str], *, standby: bool) -> "_WorkerProcess":
+        ready_read, ready_write = os.pipe()
+        os.set_blocking(ready_read, False)
+        fds, env = [ready_write], {**os.environ, READY_FD_ENV: str(ready_write)}
+        activate_read = activate_write = None
+        if standby:
+            activate_read, activate_write = os.pipe()
+            fds.append(activate_read)
+            env[STANDBY_FD_ENV] = str(activate_read)
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=fds, env=env)
+        except BaseException:
+            for fd in (ready_read, activate_write):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return cls(proc, ready_read, activate_write)
+
+    def poll_ready(self) -> bool:
+        if self.ready_pipe is not None:
+            try:
+                got = os.read(self.ready_pipe, 1)
+            except BlockingIOError:
+                return self.ready
+            if got == b"r" and not self.ready:
+                self.ready, self.ready_since = True, time.monotonic()
+            os.close(self.ready_pipe)    # one byte, or the end of the pipe: nothing more will come
+            self.ready_pipe = None
+        return self.ready
+
+    def activate(self) -> bool:
+        """Tell a standby to connect and send its Ready; False if it is gone."""
+        assert self.activate_pipe is not None
+        try:
+            os.write(self.activate_pipe, b"g")
+        except BrokenPipeError:
+            return False
+        finally:
+            os.close(self.activate_pipe)
+            self.activate_pipe = None
+        return True
+
+    def close(self) -> None:
+        for fd in (self.ready_pipe, self.activate_pipe):
+            if fd is not None:
+                os.close(fd)
+        self.ready_pipe = self.activate_pipe = None
+
+
 @dataclass
 class _Supervisor:
     scheduler_cmd: list[str]
     worker_cmd: list[str]
     max_worker_restarts: int
     drain_seconds: float
+    standby: bool = False               # keep a loaded standby worker (--standby-worker)
     scheduler: subprocess.Popen[bytes] = field(init=False)
-    worker: subprocess.Popen[bytes] | None = field(init=False, default=None)
+    worker: _WorkerProcess | None = field(init=False, default=None)
+    spare: _WorkerProcess | None = field(init=False, default=None)   # the standby
     stopping_since: float | None = None
     restarts: list[float] = field(default_factory=list)   # times of recent crash-loop restarts
     restart_at: float | None = None
-    worker_ready: bool = False          # the current worker sent its Ready
-    _ready_pipe: int | None = None      # read end of the current worker's ready pipe
+    spare_at: float | None = None       # when to start the next standby
 
     def run(self) -> int:
         self.scheduler = subprocess.Popen(self.scheduler_cmd)
-        self._start_worker()
+        self.worker = _WorkerProcess.start(self.worker_cmd, standby=False)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
             while (code := self.scheduler.poll()) is None:
                 if not self._tend_worker():
                     return 1
+                self._tend_spare()
                 self._enforce_stop_deadline()
                 time.sleep(POLL_SECONDS)
             return code if code >= 0 else 128 - code
@@ -101,68 +181,79 @@ class _Supervisor:
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
         # SIGTERM: the scheduler drains, then sends the worker Shutdown.
-        targets = [self.scheduler] + ([self.worker] if signum == signal.SIGINT and self.worker else [])
+        targets = [self.scheduler] + ([self.worker.proc] if signum == signal.SIGINT and self.worker else [])
+        targets += [self.spare.proc] if self.spare else []    # a standby has nothing to drain
         for proc in targets:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    def _start_worker(self) -> None:
-        read_end, write_end = os.pipe()
-        os.set_blocking(read_end, False)
-        try:
-            self.worker = subprocess.Popen(self.worker_cmd, pass_fds=(write_end,),
-                                           env={**os.environ, READY_FD_ENV: str(write_end)})
-        finally:
-            os.close(write_end)
-        self._close_ready_pipe()
-        self._ready_pipe, self.worker_ready = read_end, False
-
-    def _close_ready_pipe(self) -> None:
-        if self._ready_pipe is not None:
-            os.close(self._ready_pipe)
-            self._ready_pipe = None
-
-    def _poll_ready(self) -> None:
-        if self._ready_pipe is None:
-            return
-        try:
-            got = os.read(self._ready_pipe, 1)
-        except BlockingIOError:
-            return
-        self.worker_ready = self.worker_ready or got == b"r"
-        self._close_ready_pipe()    # one byte, or the end of the pipe: nothing more will come
+    def _crash_backoff(self, what: str, code: int) -> float | None:
+        """Seconds to wait before starting again after a death before Ready; None: give up."""
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_SECONDS]
+        if len(self.restarts) >= self.max_worker_restarts:
+            print(f"jitney: the {what} exited with status {code} before it was ready, "
+                  f"{len(self.restarts)} times in {RESTART_WINDOW_SECONDS:g} s already; "
+                  "stopping", file=sys.stderr, flush=True)
+            return None
+        backoff = min(MAX_BACKOFF_SECONDS, 0.5 * 2 ** len(self.restarts))
+        print(f"jitney: the {what} exited with status {code} before it was ready; "
+              f"starting another in {backoff:g} s", file=sys.stderr, flush=True)
+        self.restarts.append(now + backoff)
+        return backoff
 
     def _tend_worker(self) -> bool:
-        """Restart a dead worker when due; False once crash-loop restarts are used up."""
+        """Replace a dead worker when due; False once crash-loop restarts are used up."""
         now = time.monotonic()
         if self.worker is not None:
-            self._poll_ready()
-            code = self.worker.poll()
+            self.worker.poll_ready()
+            code = self.worker.proc.poll()
             if code is None or self.stopping_since is not None:
                 return True
-            self._poll_ready()    # a byte written just before it died
-            self.worker = None
-            self._close_ready_pipe()
-            if self.worker_ready:
+            dead, self.worker = self.worker, None
+            dead.poll_ready()    # a byte written just before it died
+            dead.close()
+            if dead.ready:
+                if self.spare is not None and self.spare.proc.poll() is None and self.spare.activate():
+                    self.worker, self.spare = self.spare, None
+                    print(f"jitney: the worker exited with status {code} while serving; "
+                          "activated the standby worker", file=sys.stderr, flush=True)
+                    return True
                 print(f"jitney: the worker exited with status {code} while serving; restarting it now",
                       file=sys.stderr, flush=True)
                 self.restart_at = now
             else:
-                self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_SECONDS]
-                if len(self.restarts) >= self.max_worker_restarts:
-                    print(f"jitney: the worker exited with status {code} before it was ready, "
-                          f"{len(self.restarts)} times in {RESTART_WINDOW_SECONDS:g} s already; "
-                          "stopping", file=sys.stderr, flush=True)
+                backoff = self._crash_backoff("worker", code)
+                if backoff is None:
                     return False
-                backoff = min(MAX_BACKOFF_SECONDS, 0.5 * 2 ** len(self.restarts))
-                print(f"jitney: the worker exited with status {code} before it was ready; "
-                      f"restarting it in {backoff:g} s", file=sys.stderr, flush=True)
-                self.restarts.append(now + backoff)
                 self.restart_at = now + backoff
         if self.restart_at is not None and now >= self.restart_at and self.stopping_since is None:
             self.restart_at = None
-            self._start_worker()
+            self.worker = _WorkerProcess.start(self.worker_cmd, standby=False)
         return True
+
+    def _tend_spare(self) -> None:
+        """Keep one loaded standby while a worker serves. It starts once that
+        worker has served for STANDBY_DELAY_SECONDS: its load takes a few CPU
+        seconds, and right after a takeover the serving worker has the
+        retried requests of the lost one to catch up on."""
+        if not self.standby or self.stopping_since is not None:
+            return
+        now = time.monotonic()
+        if self.spare is not None:
+            code = self.spare.proc.poll()
+            if code is None:
+                return
+            self.spare.close()
+            self.spare = None
+            backoff = self._crash_backoff("standby worker", code)
+            self.spare_at = now + (backoff if backoff is not None else RESTART_WINDOW_SECONDS)
+        if self.worker is None or not self.worker.ready or (self.spare_at is not None and now < self.spare_at):
+            return
+        if self.worker.ready_since is None or now - self.worker.ready_since < STANDBY_DELAY_SECONDS:
+            return
+        self.spare_at = None
+        self.spare = _WorkerProcess.start(self.worker_cmd, standby=True)
 
     def _enforce_stop_deadline(self) -> None:
         """A scheduler that does not end its drain in time is stopped."""
@@ -173,8 +264,10 @@ class _Supervisor:
             self.scheduler.kill()
 
     def _stop_all(self) -> None:
-        self._close_ready_pipe()
-        procs = [p for p in (self.scheduler, self.worker) if p is not None]
+        workers = [w for w in (self.worker, self.spare) if w is not None]
+        for w in workers:
+            w.close()   # a standby's closed activation pipe ends it too
+        procs = [self.scheduler] + [w.proc for w in workers]
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for proc in procs:   # the worker exits by itself after a drain's Shutdown
             try:
@@ -190,10 +283,10 @@ class _Supervisor:
 
 
 def supervise(scheduler_argv: list[str], worker_argv: list[str], *,
-              max_worker_restarts: int = 5, drain_seconds: float = 30.0) -> int:
+              max_worker_restarts: int = 5, drain_seconds: float = 30.0, standby: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="jitney-") as tmp:
         addrs = ["--plan-addr", f"ipc://{tmp}/plan", "--result-addr", f"ipc://{tmp}/result"]
         base = [sys.executable, "-m", "jitney.cli"]
         return _Supervisor(base + ["scheduler", *scheduler_argv, *addrs],
                            base + ["worker", *worker_argv, *addrs],
-                           max_worker_restarts, drain_seconds).run()
+                           max_worker_restarts, drain_seconds, standby).run()

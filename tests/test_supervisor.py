@@ -8,14 +8,25 @@ import sys
 import time
 from pathlib import Path
 
-from jitney.common.supervision import READY_FD_ENV
+from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
+import pytest
+
+from jitney.scheduler import supervisor
 from jitney.scheduler.supervisor import _Supervisor
 
-# A stand-in worker: logs its start time, says Ready (or not), lives a while, dies.
+# A stand-in worker: logs its start time, waits to be activated if it is a
+# standby (logging that time with a minus sign), says Ready (or not), lives a
+# while, dies.
 WORKER = f"""
 import os, sys, time
 with open(sys.argv[1], "a") as log:
     log.write(f"{{time.monotonic()}}\\n")
+standby = os.environ.get("{STANDBY_FD_ENV}")
+if standby is not None:
+    if os.read(int(standby), 1) != b"g":
+        sys.exit(0)
+    with open(sys.argv[1], "a") as log:
+        log.write(f"-{{time.monotonic()}}\\n")
 if sys.argv[2] == "ready":
     fd = int(os.environ["{READY_FD_ENV}"])
     os.write(fd, b"r")
@@ -25,21 +36,22 @@ sys.exit(3)
 """
 
 
-def _starts(log: Path) -> list[float]:
+def _events(log: Path) -> list[float]:
     return [float(line) for line in log.read_text().split()] if log.exists() else []
 
 
 def _supervise(tmp_path: Path, ready: str, lives: float, scheduler_seconds: float,
-               max_restarts: int = 5) -> tuple[int, list[float]]:
+               max_restarts: int = 5, standby: bool = False) -> tuple[int, list[float]]:
     log = tmp_path / "starts"
     scheduler = [sys.executable, "-c", f"import time; time.sleep({scheduler_seconds})"]
     worker = [sys.executable, "-c", WORKER, str(log), ready, str(lives)]
-    code = _Supervisor(scheduler, worker, max_restarts, drain_seconds=1.0).run()
-    return code, _starts(log)
+    code = _Supervisor(scheduler, worker, max_restarts, drain_seconds=1.0, standby=standby).run()
+    return code, _events(log)
 
 
 def test_a_worker_that_dies_serving_is_restarted_at_once_and_without_limit(tmp_path: Path) -> None:
     code, starts = _supervise(tmp_path, "ready", lives=0.3, scheduler_seconds=4.0, max_restarts=1)
+    assert all(t > 0 for t in starts)     # no standby: nothing was activated
     assert code == 0                      # the scheduler's own status: nothing gave up
     assert len(starts) >= 5, starts       # far past --max-worker-restarts 1
     gaps = [b - a for a, b in zip(starts, starts[1:])]
@@ -53,3 +65,19 @@ def test_a_worker_that_dies_before_ready_backs_off_then_stops_serve(tmp_path: Pa
     assert len(starts) == 3, starts       # the first start and two restarts
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[0] >= 0.5 and gaps[1] >= 1.0, gaps   # 0.5 s, then 1 s of backoff
+
+
+def test_a_standby_takes_over_at_once_and_another_starts_behind_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "STANDBY_DELAY_SECONDS", 0.2)
+    code, events = _supervise(tmp_path, "ready", lives=1.5, scheduler_seconds=5.0, standby=True)
+    assert code == 0
+    starts = [t for t in events if t > 0]
+    activations = [-t for t in events if t < 0]
+    assert len(activations) >= 2, events            # two deaths while serving, each taken over
+    # Each standby started before the death it covered (loaded ahead) ...
+    assert all(any(s < a - 0.5 for s in starts) for a in activations)
+    # ... and each activation followed a death within the supervisor's poll, not a process start.
+    deaths = [t + 1.5 for t in [starts[0]] + activations[:-1]]   # each serving worker lives 1.5 s
+    for died, took_over in zip(deaths, activations):
+        assert took_over - died < 0.5, (died, took_over)

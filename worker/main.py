@@ -43,7 +43,7 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from jitney.common.incarnation import new_incarnation, routing_id
-from jitney.common.supervision import READY_FD_ENV
+from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.config import WorkerConfig, add_worker_arguments
@@ -114,12 +114,14 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
             sock.setsockopt(hwm, SOCKET_HWM)
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         plans.setsockopt(zmq.ROUTING_ID, routing_id(incarnation))   # the scheduler addresses us by it
-        client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
-        plans.connect(config.plan_addr)
-        client_side(push, config.result_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
-        push.connect(config.result_addr)
         with _sigterm_exits():
             runner = make_runner(config)
+            if not _standby_until_activated():
+                return 0
+            client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
+            plans.connect(config.plan_addr)
+            client_side(push, config.result_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
+            push.connect(config.result_addr)
             outbox = _Outbox(push, incarnation)
             outbox.send(engine_pb2.WorkerMessage(ready=runner.ready_message()))
             logger.info("ready (incarnation %016x): plans from %s, results to %s",
@@ -277,6 +279,25 @@ def _discarded(step_id: int, failed: int) -> engine_pb2.WorkerMessage:
     message = f"discarded: step {failed} failed, and no reset plan came since"
     logger.warning("step %d %s", step_id, message)
     return engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=step_id, message=message, discarded=True))
+
+
+def _standby_until_activated() -> bool:
+    """A standby worker (``JITNEY_STANDBY_FD`` set by `jitney serve`'s
+    supervisor) waits, loaded and warm, for one byte on that pipe before it
+    connects; False when the pipe ends instead (the supervisor is stopping)."""
+    fd = os.environ.pop(STANDBY_FD_ENV, None)
+    if fd is None:
+        return True
+    logger.info("standby: loaded and warm; waiting to take over")
+    try:
+        got = os.read(int(fd), 1)
+    finally:
+        os.close(int(fd))
+    if got != b"g":
+        logger.info("standby: the supervisor is gone; exiting")
+        return False
+    logger.info("standby: taking over")
+    return True
 
 
 def _tell_supervisor_ready() -> None:
