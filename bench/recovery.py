@@ -54,7 +54,7 @@ def _serving(health: health_pb2_grpc.HealthStub) -> bool:
 def timed_start(args: list[str], log_dir: Path) -> tuple[float, str]:
     """Seconds from `jitney serve` started to SERVING, and the worker's load line."""
     started = time.monotonic()
-    with running_server(args, log_dir, wait_serving=False) as server:
+    with running_server(args, log_dir, wait_serving=False, standby=True) as server:
         with grpc.insecure_channel(server.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while not _serving(health):
@@ -68,9 +68,10 @@ def timed_start(args: list[str], log_dir: Path) -> tuple[float, str]:
         return took, loaded[-1].split("jitney.worker INFO ")[-1] if loaded else ""
 
 
-def restarts(args: list[str], log_dir: Path, kills: int, clients: int, between: float) -> list[dict[str, float]]:
+def restarts(args: list[str], log_dir: Path, kills: int, clients: int, between: float,
+             standby: bool = True) -> list[dict[str, float]]:
     out: list[dict[str, float]] = []
-    with running_server(args, log_dir) as server:
+    with running_server(args, log_dir, standby=standby) as server:
         channel = grpc.insecure_channel(server.target)
         health = health_pb2_grpc.HealthStub(channel)
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -133,6 +134,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--between", type=float, default=4.0, help="seconds of load before each kill")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--also-without-standby", action="store_true",
+                        help="repeat the kills with --no-standby-worker (a fresh process each time)")
     parser.add_argument("server_args", nargs="*", help="more `jitney serve` flags (after --)")
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="jitney-recovery-") as tmp:
@@ -143,6 +146,10 @@ def main() -> int:
         warm, warm_line = timed_start(args, Path(tmp))
         print(f"warm start: {warm:.2f} s to SERVING ({warm_line})", flush=True)
         runs = restarts(args, Path(tmp), ns.kills, ns.clients, ns.between)
+        fresh = []
+        if ns.also_without_standby:
+            print("without the standby worker:", flush=True)
+            fresh = restarts(args, Path(tmp), ns.kills, ns.clients, ns.between, standby=False)
     serving = [r["serving_s"] for r in runs]
     first = [r["first_completion_s"] for r in runs]
     summary: dict[str, Any] = {
@@ -156,6 +163,18 @@ def main() -> int:
           f"{max(serving):.2f} s |\n"
           f"| kill to first completed request | {summary['restart_to_first_completion_s']['p50']:.2f} s | "
           f"{max(first):.2f} s |")
+    if fresh:
+        fresh_serving = [r["serving_s"] for r in fresh]
+        fresh_first = [r["first_completion_s"] for r in fresh]
+        summary["without_standby"] = {
+            "restart_to_serving_s": {"p50": statistics.median(fresh_serving), "max": max(fresh_serving),
+                                     "all": fresh_serving},
+            "restart_to_first_completion_s": {"p50": statistics.median(fresh_first), "max": max(fresh_first),
+                                              "all": fresh_first}}
+        print(f"| kill to SERVING, no standby ({len(fresh)} kills) | {statistics.median(fresh_serving):.2f} s | "
+              f"{max(fresh_serving):.2f} s |\n"
+              f"| kill to first completed request, no standby | {statistics.median(fresh_first):.2f} s | "
+              f"{max(fresh_first):.2f} s |")
     if ns.json:
         ns.json.write_text(json.dumps(summary, indent=1))
     return 0

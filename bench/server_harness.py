@@ -69,17 +69,23 @@ def health_status(target: str, timeout: float = 2.0, tls: TlsFiles | None = None
 def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
                    wait_serving: bool = True, startup_timeout: float = 240.0,
                    python: str = sys.executable, tls: TlsFiles | None = None,
-                   api_key: str | None = None) -> Iterator[Server]:
+                   api_key: str | None = None, standby: bool = False) -> Iterator[Server]:
     """Run `jitney <command> --port P <args>` until the block ends.
 
     ``python``: the interpreter whose ``jitney`` runs (another build's, to
     compare); it runs outside this checkout, whose ``jitney/`` would shadow its own.
     ``tls`` / ``api_key``: how the harness reaches a server started with
     ``--tls-cert`` / ``--api-key-file`` in ``args`` (health needs no key).
+    ``standby``: keep `jitney serve`'s standby worker (its default on the CPU).
+    Off unless asked for: a standby loads a second model a few seconds after
+    start, which would compete for this 2-core machine's CPU with what a test
+    or a benchmark measures; the tests and benchmarks of recovery turn it on.
     """
     port = free_port()
     log_path = log_dir / f"jitney-{command}-{port}.log"
     cmd = [python, "-m", "jitney.cli", command, "--port", str(port), *args]
+    if command == "serve" and not standby and python == sys.executable:   # (older builds have none)
+        cmd.append("--no-standby-worker")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=ROOT if python == sys.executable else log_dir,

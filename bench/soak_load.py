@@ -80,6 +80,7 @@ class Soak:
         self.lock = threading.Lock()
         self.outcomes: list[Outcome] = []
         self.kills: list[int] = []
+        self.recoveries: list[float] = []   # seconds from each kill to a new worker SERVING
 
     # -- one call of each kind -------------------------------------------
     def _stream(self, kind: str, params: pb.GenerationParams, timeout: float,
@@ -149,14 +150,25 @@ class Soak:
             unavailable = any(o.result == SC.UNAVAILABLE.name for o in outs)
             time.sleep(0.3 if unavailable else self.rng.uniform(0, 0.05))   # a client's backoff
 
-    def _killer(self, kills: int, warmup: float, between: float) -> None:
+    def _killer(self, kills: int | None, warmup: float, between: float | tuple[float, ...],
+                duration: float | None) -> None:
+        """SIGKILL the serving worker ``kills`` times, or until ``duration`` s
+        have passed; each time wait until a new worker serves (timed into
+        ``recoveries``), then let the load run ``between`` s (a tuple: its
+        values in turn)."""
+        pauses = between if isinstance(between, tuple) else (between,)
         time.sleep(warmup)
-        for _ in range(kills):
+        started = time.monotonic()
+        while (kills is None or len(self.kills) < kills) and \
+                (duration is None or time.monotonic() - started < duration):
             pid = wait_serving(self.server).worker_pid
+            killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             self.kills.append(pid)
-            wait_until(lambda: self.server_stats_pid() not in (None, pid), 90)
-            time.sleep(between)
+            wait_until(lambda: self.server_stats_pid() not in (None, 0, pid)
+                       and health_status(self.server.target) == health_pb2.HealthCheckResponse.SERVING, 90)
+            self.recoveries.append(time.monotonic() - killed)
+            time.sleep(pauses[(len(self.kills) - 1) % len(pauses)])
 
     def server_stats_pid(self) -> int | None:
         try:
@@ -164,9 +176,12 @@ class Soak:
         except grpc.RpcError:
             return None
 
-    def run(self, clients: int = 12, kills: int = 2, warmup: float = 1.0, between: float = 1.5,
-            tail: float = 1.0, max_calls_per_client: int = 60) -> Counter[str]:
-        killer = threading.Thread(target=self._killer, args=(kills, warmup, between))
+    def run(self, clients: int = 12, kills: int | None = 2, warmup: float = 1.0,
+            between: float | tuple[float, ...] = 1.5,
+            tail: float = 1.0, max_calls_per_client: int = 60, duration: float | None = None) -> Counter[str]:
+        """Load from ``clients`` threads while the worker is killed ``kills``
+        times (None: no limit) or for ``duration`` s, then ``tail`` s more."""
+        killer = threading.Thread(target=self._killer, args=(kills, warmup, between, duration))
         killer.start()
         killer_done_at: list[float] = []
 

@@ -67,7 +67,6 @@ def test_compose_health_checks_use_the_health_command() -> None:
         ns = _parse(test[1:])
         assert ns.command == "health"
         assert ns.target.endswith(f":{sched_port}"), name
-    assert "scheduler" in services["worker"]["depends_on"]
 
 
 def test_compose_link_runs_with_curve_keys() -> None:
@@ -84,8 +83,38 @@ def test_compose_link_runs_with_curve_keys() -> None:
         assert ns.curve_keys and not ns.insecure_plaintext_zmq, side
         assert svc["depends_on"]["keys"] == {"condition": "service_completed_successfully"}
         volume = written[f"{keys.out}/{side}"]
-        assert svc["volumes"] == [f"{volume}:{ns.curve_keys}:ro"], side
+        assert f"{volume}:{ns.curve_keys}:ro" in svc["volumes"], side
         assert volume in compose["volumes"]
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    number = duration.rstrip("smh")
+    return float(number) * units[duration[len(number):]]
+
+
+def test_compose_stop_drains_the_scheduler_before_the_worker() -> None:
+    """Compose stops a service before the services it depends on: the
+    scheduler must depend on the worker (never the reverse), so on `docker
+    compose stop` it drains its requests while the worker still runs, and it
+    must be given the time its drain takes."""
+    services = _compose()["services"]
+    sched, worker = services["scheduler"], services["worker"]
+    assert "worker" in sched["depends_on"]
+    assert "scheduler" not in worker.get("depends_on", {})
+    assert sched.get("stop_signal", "SIGTERM") == "SIGTERM"       # SIGTERM is what drains
+    drain = _parse(sched["command"]).drain_seconds
+    assert _seconds(sched["stop_grace_period"]) >= drain + 5
+    assert worker["restart"] == sched["restart"] == "unless-stopped"
+
+
+def test_compose_worker_keeps_its_weights_cache_in_a_volume() -> None:
+    compose = _compose()
+    worker = compose["services"]["worker"]
+    cache = worker["environment"]["JITNEY_WEIGHTS_CACHE"]
+    mounts = dict(reversed(v.split(":")[:2]) for v in worker["volumes"])   # path -> volume
+    assert any(cache == path or cache.startswith(path + "/") for path in mounts), (cache, mounts)
+    assert all(volume in compose["volumes"] for volume in mounts.values())
 
 
 def test_dockerfile_installs_the_project_and_the_default_model() -> None:
