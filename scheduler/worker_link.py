@@ -42,6 +42,7 @@ import time
 import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError
+from zmq.utils.monitor import parse_monitor_message
 
 from jitney.common.incarnation import is_valid, routing_id
 from jitney.common.zmq_security import LinkServer, ServerKeys
@@ -102,6 +103,12 @@ class WorkerLink:
         self._stale_logged: set[int] = set()   # incarnations whose stale frames were logged
         self._lost = asyncio.Event()
         self._pump_task: asyncio.Task[None] | None = None
+        # Connections to the result socket, from its monitor: a worker that
+        # exits closes its own, so the last one closing while a worker is
+        # served means that worker is gone, now, not a --worker-timeout later.
+        self._monitor = self._results.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.num_connections = 0
+        self._watch_task: asyncio.Task[None] | None = None
 
     @property
     def is_serving(self) -> bool:
@@ -114,6 +121,7 @@ class WorkerLink:
         then stale: told to shut down when they next speak)."""
         if self._pump_task is None:
             self._pump_task = asyncio.create_task(self._pump())
+            self._watch_task = asyncio.create_task(self._watch_connections())
         incarnation, ready = await self._readies.get()
         while not self._readies.empty():
             self._arriving.discard(incarnation)
@@ -206,8 +214,11 @@ class WorkerLink:
                         kind, step_id)
 
     def close(self) -> None:
-        if self._pump_task is not None:
-            self._pump_task.cancel()
+        for task in (self._pump_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+        self._results.disable_monitor()
+        self._monitor.close(0)
         self._plans.close(0)
         self._results.close(0)
         self._security.close()
@@ -271,6 +282,21 @@ class WorkerLink:
             msg = parse_worker_message(await self._results.recv())
             if msg is not None:
                 self._dispatch(msg)
+
+    async def _watch_connections(self) -> None:
+        """Count the result socket's connections; the last one closing while a
+        worker is served loses it at once (killed, crashed, its host gone).
+        A worker that stays connected but hangs is caught by the silence
+        timeout instead, and a new worker's Ready replaces a lost one whose
+        connection is not closed yet."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.num_connections += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.num_connections = max(0, self.num_connections - 1)
+                if self.num_connections == 0:
+                    self.declare_lost("its connection closed (the process exited or its host went away)")
 
     def _dispatch(self, msg: engine_pb2.WorkerMessage) -> None:
         kind = msg.WhichOneof("kind")

@@ -272,3 +272,52 @@ def test_real_worker_answers_garbage_with_step_errors_and_keeps_serving(tmp_path
             proc.kill()
             proc.wait()
         scheduler.close()
+
+
+def test_a_worker_whose_connection_closes_is_lost_at_once(tmp_path: Path) -> None:
+    """A killed worker's sockets close with it: the link loses it on the spot,
+    well before its silence timeout, and a new worker is served after."""
+    async def body(w: FakeWorkerSockets) -> None:
+        w.link.worker_timeout = 30.0    # silence alone would take 30 s
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await w.send(_ready(pid=0))
+        await waiting
+        assert w.link.num_connections == 1
+        closed = asyncio.get_running_loop().time()
+        w.workers[0].close()            # what the kernel does for a killed process
+        reason = await asyncio.wait_for(w.link.wait_lost(), 2.0)
+        assert "connection closed" in reason and not w.link.is_serving
+        assert asyncio.get_running_loop().time() - closed < 2.0
+        new = w.another()
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await new.send(_ready(pid=0, incarnation=new.incarnation))
+        await waiting
+        assert w.link.is_serving and w.link.incarnation == new.incarnation
+        await w.link.send_plan(engine_pb2.StepPlan(step_id=1))
+        assert (await new.recv()).plan.step_id == 1
+
+    run(body, tmp_path)
+
+
+def test_a_second_connection_closing_does_not_lose_the_served_worker(tmp_path: Path) -> None:
+    async def body(w: FakeWorkerSockets) -> None:
+        waiting = asyncio.ensure_future(w.link.wait_ready())
+        await w.send(_ready(pid=0))
+        await waiting
+        other = w.another()             # e.g. a stale worker, or a standby's first connect
+        await other.send(_heartbeat(other.incarnation))
+        for _ in range(50):
+            if w.link.num_connections == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert w.link.num_connections == 2
+        other.close()
+        for _ in range(50):
+            if w.link.num_connections == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert w.link.num_connections == 1 and w.link.is_serving
+        await w.send(_result(1))        # the served worker is still heard
+        assert w.link.is_serving
+
+    run(body, tmp_path)
