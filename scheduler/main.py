@@ -27,7 +27,7 @@ from jitney.scheduler.auth import ApiKeyInterceptor, KeyLimiter
 from jitney.scheduler.config import SchedulerConfig, SchedulingPolicy
 from jitney.scheduler.engine import Engine
 from jitney.scheduler.metrics import request_log
-from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 from jitney.common.zmq_security import (ServerKeys, add_link_security_arguments, check_endpoint,
                                          load_server_keys)
 from jitney.scheduler.server import GenerationServicer
@@ -196,7 +196,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
             print(f"jitney: OpenAI-compatible API on {scheme}://{cfg.host}:{cfg.openai_port}/v1",
                   flush=True)
         files = resolve_model(cfg.model)
-        tokenizer = await asyncio.to_thread(load_tokenizer, files)
+        tokenizer = await asyncio.to_thread(load_tokenizer, files, cache_root())
         life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
                          lambda ready: _make_engine(cfg, link, tokenizer, ready, tracer), tokenizer,
                          address, cfg.drain_seconds, stop, drain)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jitney.common.model_files import resolve_model
+from jitney.common.model_files import load_tokenizer, resolve_model
 from jitney.worker import loader, weights_cache
 from jitney.worker.loader import load_model
 from jitney.worker.model import ModelConfig, ModelFacts
@@ -120,3 +120,25 @@ def test_the_conversion_code_is_part_of_the_key(tmp_path: Path, monkeypatch: pyt
     edited.write_bytes(Path(loader.__file__).read_bytes() + b"\n# edited\n")
     monkeypatch.setattr(weights_cache, "CODE_FILES", (edited,) + weights_cache.CODE_FILES[1:])
     assert entry_key(files, torch.float32) != key
+
+
+def test_the_default_tokenizer_loads_the_same_from_its_cache(tmp_path: Path) -> None:
+    files = resolve_model(None)
+    fresh = load_tokenizer(files, tmp_path)              # converts the GGUF vocabulary, saves it
+    (entry,) = tmp_path.glob("tokenizer-*")
+    started = time.perf_counter()
+    cached = load_tokenizer(files, tmp_path)
+    print(f"\ntokenizer from the cache: {time.perf_counter() - started:.2f} s")
+    texts = ["Hello, world!", "  spaces\tand\nnewlines ", "naïve café 日本語 🤖",
+             "<|im_start|>user\nhi<|im_end|>", "x" * 300]
+    for text in texts:
+        assert cached.encode(text) == fresh.encode(text), text
+        assert cached.decode(cached.encode(text)) == fresh.decode(fresh.encode(text)), text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (cached.eos_token_id, len(cached), cached.all_special_ids) == \
+        (fresh.eos_token_id, len(fresh), fresh.all_special_ids)
+    (entry / "tokenizer.json").write_text("{broken")    # a damaged entry is converted again
+    again = load_tokenizer(files, tmp_path)
+    assert again.encode(texts[2]) == fresh.encode(texts[2])

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from jitney.common.model_files import ModelFiles
+from jitney.common.model_files import ModelFiles, cache_root
 from jitney.worker.model import ModelConfig, ModelFacts, RopeScaling
 
 logger = logging.getLogger("jitney.worker")
@@ -64,7 +64,7 @@ class CachedModel:
 
 
 def default_root() -> Path:
-    return Path(os.environ.get("JITNEY_WEIGHTS_CACHE") or Path.home() / ".cache" / "jitney" / "weights")
+    return cache_root()
 
 
 def source_files(files: ModelFiles) -> list[Path]:
