@@ -27,8 +27,11 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/jitney serve $(ARGS)
 
+# Two pytest-xdist workers, a test file each at a time (module fixtures stay
+# whole), one torch thread each: on 2 cores most tests wait on processes and
+# sockets, and OpenMP threads spinning against each other would be slower.
 test: typecheck
-	$(PY) -m pytest -q -ra --durations=15 $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile $(ARGS)
 
 typecheck: $(STAMP)
 	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/jitney

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,9 +26,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now (the caller binds it a moment later).
+
+    Under pytest-xdist (`make test` runs two workers) each worker draws
+    ports in turn from its own range, below Linux's ephemeral ports, so two
+    workers never pick the same one between the pick and the bind; alone,
+    the kernel picks."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")     # "gw0", "gw1", ...
+    if not worker.removeprefix("gw").isdigit():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    low = PORT_RANGE_START + int(worker.removeprefix("gw")) % 4 * PORT_RANGE_SIZE
+    for _ in range(PORT_RANGE_SIZE):
+        port = low + next(_port_turns) % PORT_RANGE_SIZE
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + PORT_RANGE_SIZE - 1}")
+
+
+# Worker k of pytest-xdist draws from [START + k * SIZE, START + (k + 1) * SIZE).
+PORT_RANGE_START, PORT_RANGE_SIZE = 12000, 5000
+_port_turns = itertools.count(random.randrange(PORT_RANGE_SIZE))
 
 
 @dataclass

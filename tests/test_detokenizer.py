@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jitney.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, StopStringMatcher
-from jitney.common.model_files import resolve_model, load_tokenizer
+from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 
 MULTILINGUAL = [
     "héllo 世界 🚀🎉 naïve",
@@ -27,7 +27,7 @@ TEXT = st.text(alphabet=ALPHABET, max_size=40)
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    return load_tokenizer(resolve_model(None))
+    return load_tokenizer(resolve_model(None), cache_root())
 
 
 def encode(tok: Any, text: str) -> list[int]:

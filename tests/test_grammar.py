@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 from jitney.scheduler.admission import QueueFullError
 from jitney.scheduler.grammar import (
     MAX_JSON_WHITESPACE,
@@ -38,7 +38,7 @@ PAD = 37          # the model's head is this much wider than the tokenizer
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    return load_tokenizer(resolve_model(None))
+    return load_tokenizer(resolve_model(None), cache_root())
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 
 from jitney.v1 import generation_pb2 as pb
 from jitney.client.client import Sampling, make_params
-from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 from bench.server_harness import ROOT, running_server
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_greedy_matches_transformers_under_chunking_and_preemption(server) -> None:
-    tokenizer = load_tokenizer(resolve_model(None))
+    tokenizer = load_tokenizer(resolve_model(None), cache_root())
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=False) for q in QUESTIONS]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]

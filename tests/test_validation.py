@@ -12,7 +12,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from jitney.v1 import generation_pb2 as pb
-from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 from jitney.scheduler.validation import (
     InvalidRequestError,
     ModelLimits,
@@ -28,7 +28,7 @@ SEED = 1234
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    return load_tokenizer(resolve_model(None))
+    return load_tokenizer(resolve_model(None), cache_root())
 
 
 def validate(tok: Any, params: pb.GenerationParams, limits: ModelLimits = LIMITS) -> ValidatedRequest:

@@ -139,6 +139,3 @@ def test_the_default_tokenizer_loads_the_same_from_its_cache(tmp_path: Path) -> 
         fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (cached.eos_token_id, len(cached), cached.all_special_ids) == \
         (fresh.eos_token_id, len(fresh), fresh.all_special_ids)
-    (entry / "tokenizer.json").write_text("{broken")    # a damaged entry is converted again
-    again = load_tokenizer(files, tmp_path)
-    assert again.encode(texts[2]) == fresh.encode(texts[2])

@@ -171,7 +171,7 @@ def test_model_facts_and_length_cap(tmp_path: Path) -> None:
 def smollm2() -> tuple[CausalLM, torch.nn.Module, list[int]]:
     from transformers import AutoModelForCausalLM
 
-    from jitney.common.model_files import load_tokenizer, resolve_model
+    from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 
     files = resolve_model(None)
     net, facts = load_model(None, torch.float32, CPU)
@@ -180,7 +180,7 @@ def smollm2() -> tuple[CausalLM, torch.nn.Module, list[int]]:
         str(files.directory), gguf_file=files.gguf_file, dtype=torch.float32
     ).eval()
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    ids = load_tokenizer(files).apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    ids = load_tokenizer(files, cache_root()).apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     return net, ref, list(ids)
 
 
