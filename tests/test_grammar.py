@@ -230,10 +230,24 @@ def test_a_compile_past_the_timeout_is_refused_and_does_not_pile_up(
     c.close()
 
 
-def test_a_real_compile_with_a_tiny_timeout(compiler: GrammarCompiler, vocab: int, run: Any) -> None:
+def test_a_real_compile_with_a_tiny_timeout(compiler: GrammarCompiler, vocab: int, run: Any,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     c = GrammarCompiler(compiler.engine_tokenizer, vocab, compile_timeout=1e-6)
+    # The real compile, held until the timeout has been answered: a loop
+    # starved for longer than the compile (a busy machine) would otherwise see
+    # it finish first.
+    gate, real = threading.Event(), c._build
+    monkeypatch.setattr(c, "_build", lambda key, field: gate.wait(30) and real(key, field))
     with pytest.raises(InvalidRequestError, match="too expensive to compile within 1e-06 s"):
         run(c.compile(schema(NESTED)))
+    gate.set()
+
+    async def finish() -> None:
+        while c.cache_info()["running"]:
+            await asyncio.sleep(0.01)
+
+    run(finish())
+    assert isinstance(run(c.compile(schema(NESTED))), CompiledGrammar)   # its late result was kept
     c.close()
 
 
