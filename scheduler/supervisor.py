@@ -90,8 +90,11 @@ class _WorkerProcess:
     proc: subprocess.Popen[bytes]
     ready_pipe: int | None          # read end: one byte once its Ready is sent
     activate_pipe: int | None       # write end (a standby only): one byte starts it
-    ready: bool = False
-    ready_since: float | None = None
+    ready_since: float | None = None   # when its Ready byte came; None: not (yet) ready
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_since is not None
 
     @classmethod
     def start(cls, cmd: list[str], *, standby: bool) -> "_WorkerProcess":
@@ -121,8 +124,8 @@ class _WorkerProcess:
                 got = os.read(self.ready_pipe, 1)
             except BlockingIOError:
                 return self.ready
-            if got == b"r" and not self.ready:
-                self.ready, self.ready_since = True, time.monotonic()
+            if got == b"r" and self.ready_since is None:
+                self.ready_since = time.monotonic()
             os.close(self.ready_pipe)    # one byte, or the end of the pipe: nothing more will come
             self.ready_pipe = None
         return self.ready
@@ -248,9 +251,9 @@ class _Supervisor:
             self.spare = None
             backoff = self._crash_backoff("standby worker", code)
             self.spare_at = now + (backoff if backoff is not None else RESTART_WINDOW_SECONDS)
-        if self.worker is None or not self.worker.ready or (self.spare_at is not None and now < self.spare_at):
+        if self.worker is None or self.worker.ready_since is None or (self.spare_at is not None and now < self.spare_at):
             return
-        if self.worker.ready_since is None or now - self.worker.ready_since < STANDBY_DELAY_SECONDS:
+        if now - self.worker.ready_since < STANDBY_DELAY_SECONDS:
             return
         self.spare_at = None
         self.spare = _WorkerProcess.start(self.worker_cmd, standby=True)

@@ -51,11 +51,26 @@ class FakeWorkerSockets:
     async def send(self, frame: bytes) -> None:
         await self.workers[0].send(frame)
 
+    async def serve_first(self) -> None:
+        """The link serves the first fake worker (pid 0: nothing to kill)."""
+        waiting = asyncio.ensure_future(self.link.wait_ready())
+        await self.send(_ready(pid=0))
+        await waiting
+
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
         self.ctx.term()
         self.link.close()
+
+
+async def _connections_become(link: WorkerLink, count: int) -> bool:
+    """Whether the link counts ``count`` connections within a second."""
+    for _ in range(50):
+        if link.num_connections == count:
+            return True
+        await asyncio.sleep(0.02)
+    return link.num_connections == count
 
 
 def run(coro_fn, tmp: Path) -> None:
@@ -108,9 +123,7 @@ def test_heartbeats_keep_a_worker_alive_and_silence_loses_it(tmp_path: Path) -> 
         with pytest.raises(WorkerLostError):
             await w.link.send_plan(engine_pb2.StepPlan(step_id=2))
         # A new worker's Ready brings the link back; old results are gone.
-        waiting = asyncio.ensure_future(w.link.wait_ready())
-        await w.send(_ready(pid=0))
-        await waiting
+        await w.serve_first()
         assert w.link.is_serving
 
     run(body, tmp_path)
@@ -118,9 +131,7 @@ def test_heartbeats_keep_a_worker_alive_and_silence_loses_it(tmp_path: Path) -> 
 
 def test_a_new_ready_while_serving_means_the_worker_restarted(tmp_path: Path) -> None:
     async def body(w: FakeWorkerSockets) -> None:
-        waiting = asyncio.ensure_future(w.link.wait_ready())
-        await w.send(_ready(pid=0))
-        await waiting
+        await w.serve_first()
         new = w.another()
         await new.send(_ready(pid=0, incarnation=new.incarnation))
         reason = await w.link.wait_lost()
@@ -279,9 +290,7 @@ def test_a_worker_whose_connection_closes_is_lost_at_once(tmp_path: Path) -> Non
     well before its silence timeout, and a new worker is served after."""
     async def body(w: FakeWorkerSockets) -> None:
         w.link.worker_timeout = 30.0    # silence alone would take 30 s
-        waiting = asyncio.ensure_future(w.link.wait_ready())
-        await w.send(_ready(pid=0))
-        await waiting
+        await w.serve_first()
         assert w.link.num_connections == 1
         closed = asyncio.get_running_loop().time()
         w.workers[0].close()            # what the kernel does for a killed process
@@ -301,22 +310,12 @@ def test_a_worker_whose_connection_closes_is_lost_at_once(tmp_path: Path) -> Non
 
 def test_a_second_connection_closing_does_not_lose_the_served_worker(tmp_path: Path) -> None:
     async def body(w: FakeWorkerSockets) -> None:
-        waiting = asyncio.ensure_future(w.link.wait_ready())
-        await w.send(_ready(pid=0))
-        await waiting
+        await w.serve_first()
         other = w.another()             # e.g. a stale worker, or a standby's first connect
         await other.send(_heartbeat(other.incarnation))
-        for _ in range(50):
-            if w.link.num_connections == 2:
-                break
-            await asyncio.sleep(0.02)
-        assert w.link.num_connections == 2
+        assert await _connections_become(w.link, 2)
         other.close()
-        for _ in range(50):
-            if w.link.num_connections == 1:
-                break
-            await asyncio.sleep(0.02)
-        assert w.link.num_connections == 1 and w.link.is_serving
+        assert await _connections_become(w.link, 1) and w.link.is_serving
         await w.send(_result(1))        # the served worker is still heard
         assert w.link.is_serving
 
