@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from jitney.common.model_files import cache_root
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.attention import AttentionMetadata
 from jitney.worker.backends import make_attention_backend, prefill_block_q
@@ -42,7 +43,7 @@ from jitney.worker.loader import load_model
 from jitney.worker.plan import PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
 from jitney.worker.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.warmup import profile_activations, warm_up
-from jitney.worker.weights_cache import WeightsCache, default_root
+from jitney.worker.weights_cache import WeightsCache
 
 logger = logging.getLogger("jitney.worker")
 
@@ -103,7 +104,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
         self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype)
-        cache = (WeightsCache(Path(config.weights_cache) if config.weights_cache else default_root())
+        cache = (WeightsCache(Path(config.weights_cache) if config.weights_cache else cache_root())
                  if config.use_weights_cache else None)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
                                             batch_invariant=self.batch_invariant, weights_cache=cache)

@@ -36,14 +36,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from jitney.common.model_files import ModelFiles, cache_root
+from jitney.common.model_files import ModelFiles, keep_newest, publish_entry
 from jitney.worker.model import ModelConfig, ModelFacts, RopeScaling
 
 logger = logging.getLogger("jitney.worker")
@@ -61,10 +60,6 @@ class CachedModel:
     config: ModelConfig
     facts: ModelFacts                       # before --max-model-len caps the context
     state: dict[str, torch.Tensor] | None   # None: read the source's safetensors
-
-
-def default_root() -> Path:
-    return cache_root()
 
 
 def source_files(files: ModelFiles) -> list[Path]:
@@ -128,38 +123,26 @@ class WeightsCache:
               state: dict[str, torch.Tensor] | None) -> Path | None:
         """Write an entry (``state`` None: meta only); None if it could not be written (logged)."""
         folder = self.root / entry_key(files, dtype)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=self.root))
-            try:
-                if state is not None:
-                    from safetensors.torch import save_file
 
-                    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_FILE))
-                meta = {"format": CACHE_FORMAT, "source": str(files.directory / (files.gguf_file or "")),
-                        "dtype": str(dtype), "has_weights": state is not None,
-                        "config": _config_to_json(config), "facts": dataclasses.asdict(facts)}
-                (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-                tmp.chmod(0o755)
-                try:
-                    tmp.rename(folder)
-                except OSError:   # another worker wrote the same entry first: keep theirs
-                    shutil.rmtree(tmp, ignore_errors=True)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+        def fill(tmp: Path) -> None:
+            if state is not None:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_FILE))
+            meta = {"format": CACHE_FORMAT, "source": str(files.directory / (files.gguf_file or "")),
+                    "dtype": str(dtype), "has_weights": state is not None,
+                    "config": _config_to_json(config), "facts": dataclasses.asdict(facts)}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+
+        try:
+            publish_entry(folder, fill)
         except OSError as err:
             logger.warning("could not write the weights cache at %s (%s); later starts will "
                            "convert the model again", self.root, err)
             return None
-        self._evict()
+        keep_newest([p for p in self.root.iterdir() if p.is_dir() and (p / META_FILE).is_file()],
+                    KEEP_ENTRIES)
         return folder
-
-    def _evict(self) -> None:
-        entries = [p for p in self.root.iterdir() if p.is_dir() and (p / META_FILE).is_file()]
-        entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in entries[KEEP_ENTRIES:]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _config_to_json(config: ModelConfig) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,32 @@ def cache_root() -> Path:
     return Path(os.environ.get("JITNEY_WEIGHTS_CACHE") or Path.home() / ".cache" / "jitney" / "weights")
 
 
+def publish_entry(entry: Path, fill: Callable[[Path], object]) -> None:
+    """Write the cache entry folder ``entry`` atomically: ``fill`` writes into a
+    private temporary folder beside it, which is then renamed into place, so a
+    reader never sees half an entry; if another process published ``entry``
+    meanwhile, theirs is kept. Raises OSError."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=entry.parent))
+    try:
+        fill(tmp)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(entry)
+        except OSError:   # written meanwhile by another process: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def keep_newest(entries: list[Path], keep: int) -> None:
+    """Remove all but the ``keep`` most recently used (modified) of ``entries``."""
+    entries = sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 TOKENIZER_CACHE_FORMAT = 1
 KEEP_TOKENIZERS = 4
 
@@ -123,21 +150,8 @@ def load_tokenizer(files: ModelFiles, cache: Path | None = None) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(str(files.directory), local_files_only=True,
                                               **files.pretrained_kwargs())
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=cache))
-        try:
-            tokenizer.save_pretrained(str(tmp))
-            tmp.chmod(0o755)
-            try:
-                tmp.rename(entry)
-            except OSError:   # written meanwhile by another process: keep theirs
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        kept = sorted(cache.glob("tokenizer-*"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in kept[KEEP_TOKENIZERS:]:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_entry(entry, lambda folder: tokenizer.save_pretrained(str(folder)))
+        keep_newest(list(cache.glob("tokenizer-*")), KEEP_TOKENIZERS)
     except OSError as err:
         logger.warning("could not write the tokenizer cache at %s (%s)", cache, err)
     return tokenizer
