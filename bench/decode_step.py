@@ -2,7 +2,7 @@
 """The worker's decode step on the CPU, by batch size: model time and the rest.
 
     .venv/bin/python bench/decode_step.py [--dtype float32 bfloat16] [--batch 1 8 16 32 64] [--context 100]
-        [--invariant on off]
+        [--invariant on off] [--model PATH] [--emulate-graphs] [--prefill 2048]
 
 Drives the worker's ModelRunner directly with engine plans: each of B
 sequences is prefilled with ``--context`` tokens, then ``--reps`` decode
@@ -12,6 +12,14 @@ steps are timed. Per step: ``execute`` = wall time of ``runner.execute``
 ``non-model`` = their difference, the worker's own overhead. Medians.
 ``--invariant on off`` measures the batch-invariant kernels (the CPU
 default) and ``--no-batch-invariant``'s oneDNN path side by side.
+
+To see the host work that a fast GPU forward exposes, use a tiny model
+(``--model``, e.g. one made by ``bench/tiny_models.py``) so the forward
+is negligible, and ``--emulate-graphs``: decode steps then take the CUDA
+path's decode-graph route (padded to a captured size, all-greedy rows
+read the graph's own choice), the "graph" being the padded forward run
+eagerly. ``--prefill N`` also times steps of one new sequence's N-token
+chunk (the eager path), the row labelled ``prefill N``.
 """
 
 from __future__ import annotations
@@ -24,9 +32,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 from jitney.engine.v1 import engine_pb2 as e  # noqa: E402
 from jitney.worker.config import WorkerConfig  # noqa: E402
+from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, greedy_packed  # noqa: E402
 from jitney.worker.runner import ModelRunner  # noqa: E402
+
+
+class EmulatedGraphs(DecodeGraphs):
+    """``DecodeGraphs(capture=False)`` for any attention backend: the padded
+    forward with the staged rows' real host lengths (the torch backend reads them)."""
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batch
+        seq_lens = tuple(b.region("seq_lens", size).tolist())
+        meta = b.metadata(size, size, query_start_loc_host=tuple(range(size + 1)), seq_lens_host=seq_lens,
+                          num_decodes=size)
+        hidden = self.model(b.region("input_ids", size), b.region("positions", size), meta, self.cache)
+        logits = self.model.compute_logits(hidden, self.rows[:size])
+        return logits, greedy_packed(logits)
 
 
 def measure(runner: ModelRunner, batch: int, context: int, reps: int) -> tuple[float, float]:
@@ -52,6 +77,26 @@ def measure(runner: ModelRunner, batch: int, context: int, reps: int) -> tuple[f
     return statistics.median(model), statistics.median(total)
 
 
+def measure_prefill(runner: ModelRunner, tokens: int, reps: int) -> tuple[float, float]:
+    """Median (model seconds, execute seconds) of a new sequence's one ``tokens``-token chunk
+    (each rep a new sequence, freed by the next plan)."""
+    blocks = list(range(-(-tokens // runner.limits.block_size)))
+    vocab = runner.limits.vocab_size
+    prompt = [(7 * j + 3) % vocab for j in range(tokens)]
+    model, total = [], []
+    for k in range(reps + 2):
+        plan = e.StepPlan(step_id=1000 + k, freed_seq_ids=[k] if k else [])
+        plan.new_sequences.add(seq_id=k + 1, sampling=e.SamplingConfig(seed=1))
+        plan.chunks.add(seq_id=k + 1, start_position=0, token_ids=prompt, new_block_ids=blocks, sample=True)
+        started = time.perf_counter()
+        result = runner.execute(plan)
+        if k >= 2:   # warm-up
+            total.append(time.perf_counter() - started)
+            model.append(result.model_seconds)
+    runner.execute(e.StepPlan(step_id=2000, freed_seq_ids=[reps + 2]))
+    return statistics.median(model), statistics.median(total)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
@@ -60,15 +105,28 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--invariant", nargs="+", choices=["on", "off"], default=["on"],
                         help="batch-invariant kernels (on, the CPU default) and/or --no-batch-invariant (off)")
+    parser.add_argument("--model", default=None, help="model folder (default: the worker's default model)")
+    parser.add_argument("--emulate-graphs", action="store_true",
+                        help="decode steps take the CUDA graph path, emulated by an eager padded forward")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="also time a new sequence's one N-token chunk")
     args = parser.parse_args()
     print("| dtype | invariant | batch | model ms | execute ms | non-model ms |\n|---|---|---|---|---|---|")
     for dtype in args.dtype:
         for invariant in args.invariant:
-            runner = ModelRunner(WorkerConfig(dtype=dtype, num_blocks=4096, max_num_batched_tokens=16384,
-                                              max_num_seqs=256, batch_invariant=invariant == "on"))
-            for batch in args.batch:
-                model_s, total_s = measure(runner, batch, args.context, args.reps)
-                print(f"| {dtype} | {invariant} | {batch} | {model_s * 1000:.1f} | {total_s * 1000:.1f} | "
+            max_seqs = 256
+            runner = ModelRunner(WorkerConfig(model=args.model, dtype=dtype, num_blocks=4096,
+                                              max_num_batched_tokens=max(16384, args.prefill),
+                                              max_num_seqs=max_seqs, batch_invariant=invariant == "on"))
+            if args.emulate_graphs:
+                runner.graphs = EmulatedGraphs(runner.model, runner.cache, runner.batch, capture_sizes(max_seqs),
+                                               capture=False)
+            rows = [(str(b), lambda b=b: measure(runner, b, args.context, args.reps)) for b in args.batch]
+            if args.prefill:
+                rows.append((f"prefill {args.prefill}", lambda: measure_prefill(runner, args.prefill, args.reps)))
+            for label, run in rows:
+                model_s, total_s = run()
+                print(f"| {dtype} | {invariant} | {label} | {model_s * 1000:.1f} | {total_s * 1000:.1f} | "
                       f"{(total_s - model_s) * 1000:.2f} |", flush=True)
     return 0
 

@@ -32,7 +32,7 @@ Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,8 +80,8 @@ class StepChunk(NamedTuple):
     named tuple: the runner makes one per sequence per step)."""
 
     seq_id: int
-    start: int          # position of the first token
-    tokens: list[int]   # the chunk's token ids, a sampled placeholder filled in
+    start: int                      # position of the first token
+    tokens: np.ndarray | list[int]  # the chunk's token ids (int64), a sampled placeholder filled in
     sample: bool
     plan_index: int     # where the plan lists it: results keep the plan's order
 
@@ -196,9 +196,14 @@ class InputBatch:
         # frequency penalties (float32); top_k, seed lo/hi (int64).
         self._host_fparams = torch.zeros((6, max_num_seqs), dtype=torch.float32, pin_memory=pin)
         self._host_iparams = torch.zeros((3, max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self._fvalues, self._ivalues = self._host_fparams.numpy(), self._host_iparams.numpy()
         self.fparams = self._host_fparams if not pin else torch.zeros_like(self._host_fparams, device=device)
         self.iparams = self._host_iparams if not pin else torch.zeros_like(self._host_iparams, device=device)
         self._params_dirty = False
+        # Each row's sampling kind, from its stored parameters: random (plain), random with top-k/p
+        # (filtered), or neither (greedy).
+        self._plain = np.zeros(max_num_seqs, dtype=bool)
+        self._filtered = np.zeros(max_num_seqs, dtype=bool)
         # The rest of each row's parameters, host-side: the per-step index building reads them.
         self.vocab_size = vocab_size
         self._params: list[ProcessorParams] = [NO_PROCESSORS] * max_num_seqs
@@ -224,11 +229,12 @@ class InputBatch:
         row = self._free_rows.pop()
         self.rows[seq_id] = row
         self._num_blocks[row] = 0
-        self._host_fparams[:, row] = torch.tensor([temperature, top_p, params.min_p, params.repetition_penalty,
-                                                   params.presence_penalty, params.frequency_penalty])
+        self._fvalues[:, row] = (temperature, top_p, params.min_p, params.repetition_penalty,
+                                 params.presence_penalty, params.frequency_penalty)
         lo, hi = split_seed(seed)
-        self._host_iparams[:, row] = torch.tensor([top_k, lo, hi])
+        self._ivalues[:, row] = (top_k, lo, hi)
         self._params_dirty = True
+        self._plain[row], self._filtered[row] = random_row_masks(*self._fvalues[:2, row], self._ivalues[0, row])
         self._params[row] = params
         self._penalised[row] = params.penalised
         self._extras[row] = params != NO_PROCESSORS
@@ -238,10 +244,10 @@ class InputBatch:
     def remove(self, seq_id: int) -> None:
         row = self.rows.pop(seq_id)
         self._params[row] = NO_PROCESSORS
-        self._penalised[row] = self._extras[row] = False
+        self._penalised[row] = self._extras[row] = self._plain[row] = self._filtered[row] = False
         self._free_rows.append(row)
 
-    def extend_blocks(self, seq_id: int, block_ids: list[int]) -> None:
+    def extend_blocks(self, seq_id: int, block_ids: Sequence[int]) -> None:
         """Append a sequence's new blocks to its row."""
         if not block_ids:
             return
@@ -292,18 +298,20 @@ class InputBatch:
         else:               # decode graph (or none): one padding token per padding row
             total = num_tokens + padded - n
             pad_qsl = np.arange(num_tokens + 1, num_tokens + 1 + padded - n)
-        self._fill("input_ids", [t for c in chunks for t in c.tokens], total)
+        self._fill("input_ids", np.concatenate([c.tokens for c in chunks]) if chunks else [], total)
         self._fill("positions", np.arange(num_tokens) + np.repeat(starts - qsl[:-1], qlens), total)
         self._fill("token_rows", np.repeat(rows, qlens), total, pad=-1)
         self._fill("query_start_loc", np.concatenate((qsl, pad_qsl)))
         self._fill("seq_lens", seq_lens, padded)
         self._fill("seq_rows", rows, padded)
         # Sampled rows in plan order (the result lists them so), whatever the step's order.
-        sampled = sorted((i for i, c in enumerate(chunks) if c.sample), key=lambda i: chunks[i].plan_index)
+        sampled = np.array([i for _, i in sorted((c.plan_index, i) for i, c in enumerate(chunks) if c.sample)],
+                           dtype=np.int64)
+        sampled_rows, positions = rows[sampled], seq_lens[sampled]
         self._fill("sample_tokens", qsl[1:][sampled] - 1)
-        self._fill("sample_rows", rows[sampled])
-        self._fill("sample_pos", seq_lens[sampled])
-        plain, filtered = self._row_groups(rows[sampled])
+        self._fill("sample_rows", sampled_rows)
+        self._fill("sample_pos", positions)
+        plain, filtered = self._row_groups(sampled_rows)
         self._fill("plain", plain)
         self._fill("filtered", filtered)
         self._copy_to_device()
@@ -311,7 +319,6 @@ class InputBatch:
             self._count_tokens(chunks, rows)
         ones = qlens == 1
         num_decodes = n if ones.all() else int(np.argmin(ones))
-        sampled_rows, positions = rows[sampled], seq_lens[sampled]
         top_n, processed, uses_min_p = np.zeros(len(sampled), dtype=np.int64), False, False
         if self._extras[sampled_rows].any():   # else: no row has anything beyond the basics
             params = [self._params[r] for r in sampled_rows]
@@ -319,15 +326,15 @@ class InputBatch:
             processed = any(p.penalised or p.logit_bias_ids or p.bans_at(int(pos))
                             for p, pos in zip(params, positions))
             random = sampled_rows[np.concatenate((plain, filtered))]
-            uses_min_p = bool((self._host_fparams.numpy()[2, random] > 0).any())
+            uses_min_p = bool((self._fvalues[2, random] > 0).any())
         return StagedStep(
             num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
-            [chunks[i].seq_id for i in sampled], len(plain), len(filtered),
+            [chunks[i].seq_id for i in sampled.tolist()], len(plain), len(filtered),
             sampled_rows=sampled_rows, sample_positions=positions, top_n=top_n,
             processed=processed, uses_min_p=uses_min_p,
         )
 
-    def count_context(self, seq_id: int, token_ids: list[int]) -> None:
+    def count_context(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Count a penalised sequence's positions 0.. that it will not compute
         (a cached or shared prefix), as if a chunk had computed them."""
         row = self.rows[seq_id]
@@ -341,13 +348,14 @@ class InputBatch:
             if not self._penalised[row]:
                 continue
             # Positions start.. : those before num_prompt_tokens are the prompt.
-            split = min(max(self._params[row].num_prompt_tokens - chunk.start, 0), len(chunk.tokens))
-            prompt_ids += chunk.tokens[:split]
-            prompt_rows += [row] * split
-            out_ids += chunk.tokens[split:]
-            out_rows += [row] * (len(chunk.tokens) - split)
-        self.counts.add(*_device_ints(self.device, np.asarray(out_rows), np.asarray(out_ids),
-                                      np.asarray(prompt_rows), np.asarray(prompt_ids)))
+            tokens = np.asarray(chunk.tokens, dtype=np.int64)
+            split = min(max(self._params[row].num_prompt_tokens - chunk.start, 0), len(tokens))
+            prompt_ids.append(tokens[:split])
+            prompt_rows.append(np.full(split, row))
+            out_ids.append(tokens[split:])
+            out_rows.append(np.full(len(tokens) - split, row))
+        self.counts.add(*_device_ints(self.device, *(np.concatenate(parts, dtype=np.int64)
+                                                     for parts in (out_rows, out_ids, prompt_rows, prompt_ids))))
 
     def _fill_tiles(self, qlens: np.ndarray) -> None:
         """The tile map of the step's sequences, padded to the region's end."""
@@ -459,10 +467,7 @@ class InputBatch:
 
     def _row_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sampled rows (indices into ``rows``) that sample randomly, plain and filtered."""
-        temperature, top_p = self._host_fparams.numpy()[:2, rows]
-        top_k = self._host_iparams.numpy()[0, rows]
-        plain, filtered = random_row_masks(temperature, top_p, top_k)
-        return np.flatnonzero(plain), np.flatnonzero(filtered)
+        return np.flatnonzero(self._plain[rows]), np.flatnonzero(self._filtered[rows])
 
     def _copy_to_device(self) -> None:
         if self.staging is self._host_staging:

@@ -10,6 +10,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jitney.engine.v1 import engine_pb2
 
 
@@ -76,13 +78,16 @@ class SequenceState:
     num_computed: int = 0
 
 
-def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> list[int]:
-    """The token ids a chunk computes, its sampled placeholder filled in."""
-    tokens = list(chunk.token_ids)
+def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> np.ndarray:
+    """The token ids a chunk computes (int64), its sampled placeholder filled in."""
+    sampled = []
     if chunk.last_token_from_sample:
         assert state.last_sampled is not None  # checked by validate_plan
-        tokens.append(state.last_sampled)
-    return tokens
+        sampled.append(state.last_sampled)
+    if not chunk.token_ids:   # a decode (numpy converts an empty repeated field slowly)
+        return np.array(sampled, dtype=np.int64)
+    tokens = np.array(chunk.token_ids, dtype=np.int64)   # one copy in C, not a list of boxed ints
+    return np.append(tokens, sampled) if sampled else tokens
 
 
 def sequence_state(seq: engine_pb2.NewSequence) -> SequenceState:
@@ -158,23 +163,26 @@ def check_sampling_limits(seq: engine_pb2.NewSequence, params: ProcessorParams, 
         raise PlanError(f"seq {sid}: {len(context)} context tokens exceed the context length")
 
 
-def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState], limits: PlanLimits) -> None:
-    """Raise ``PlanError`` if ``plan`` cannot be applied to ``seqs``."""
+def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
+                  limits: PlanLimits) -> dict[int, SequenceState]:
+    """Raise ``PlanError`` if ``plan`` cannot be applied to ``seqs``; else return
+    the fresh states of its new sequences (``apply_plan_diffs`` may take them)."""
     prefix = f"step {plan.step_id}: "
     try:
-        table_lens, params = _check_diffs(plan, seqs, limits)
+        table_lens, new_states = _check_diffs(plan, seqs, limits)
         if len(table_lens) > limits.max_num_seqs:
             raise PlanError(f"{len(table_lens)} live sequences exceed max_num_seqs {limits.max_num_seqs}")
         _check_chunks(plan, table_lens, limits, seqs)
-        _check_history(plan, seqs, params)
+        _check_history(plan, seqs, {sid: state.params for sid, state in new_states.items()})
     except PlanError as err:
         raise PlanError(prefix + str(err)) from None
+    return new_states
 
 
 def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
-                 limits: PlanLimits) -> tuple[dict[int, int], dict[int, ProcessorParams]]:
+                 limits: PlanLimits) -> tuple[dict[int, int], dict[int, SequenceState]]:
     """Check freed and new sequences; return the block-table length of each
-    live one, and the parameters of the new ones."""
+    live one, and the states of the new ones."""
     freed = list(plan.freed_seq_ids)
     if len(set(freed)) != len(freed):
         raise PlanError("a seq_id is freed twice")
@@ -183,14 +191,14 @@ def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
         raise PlanError(f"freed unknown seq_id {unknown[0]}")
     gone = set(freed)
     table_lens = {sid: len(state.block_table) for sid, state in seqs.items() if sid not in gone}
-    params = {}
+    states = {}
     for new in plan.new_sequences:
         if new.seq_id in table_lens:
             raise PlanError(f"new sequence {new.seq_id} is already known")
-        params[new.seq_id] = sequence_state(new).params  # raises on bad sampling parameters
-        check_sampling_limits(new, params[new.seq_id], limits)
+        states[new.seq_id] = sequence_state(new)  # raises on bad sampling parameters
+        check_sampling_limits(new, states[new.seq_id].params, limits)
         table_lens[new.seq_id] = 0
-    return table_lens, params
+    return table_lens, states
 
 
 def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits: PlanLimits,
@@ -198,40 +206,44 @@ def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits:
     if len(plan.chunks) > limits.max_num_seqs:
         raise PlanError(f"{len(plan.chunks)} chunks exceed max_num_seqs {limits.max_num_seqs}")
     new_ids = {n.seq_id for n in plan.new_sequences}
+    total = 0
     for chunk in plan.chunks:
         if chunk.masked and not chunk.sample:
             raise PlanError(f"seq {chunk.seq_id}: a masked chunk must sample")
-        if chunk.last_token_from_sample and (
-                chunk.seq_id in new_ids or chunk.seq_id not in seqs
-                or seqs[chunk.seq_id].last_sampled is None):
+        from_sample = chunk.last_token_from_sample
+        if from_sample and (chunk.seq_id in new_ids or chunk.seq_id not in seqs
+                            or seqs[chunk.seq_id].last_sampled is None):
             raise PlanError(f"seq {chunk.seq_id}: last_token_from_sample but nothing was sampled for it")
-    total = sum(len(c.token_ids) + c.last_token_from_sample for c in plan.chunks)
+        total += len(chunk.token_ids) + from_sample
     if total > limits.max_num_batched_tokens:
         raise PlanError(f"{total} tokens exceed max_num_batched_tokens {limits.max_num_batched_tokens}")
     seen: set[int] = set()
     for chunk in plan.chunks:
-        if chunk.seq_id not in table_lens:
-            raise PlanError(f"chunk for unknown seq_id {chunk.seq_id}")
-        if chunk.seq_id in seen:
-            raise PlanError(f"seq {chunk.seq_id} has two chunks in one step")
-        seen.add(chunk.seq_id)
-        _check_chunk(chunk, table_lens[chunk.seq_id], limits)
+        sid = chunk.seq_id
+        if sid not in table_lens:
+            raise PlanError(f"chunk for unknown seq_id {sid}")
+        if sid in seen:
+            raise PlanError(f"seq {sid} has two chunks in one step")
+        seen.add(sid)
+        _check_chunk(chunk, table_lens[sid], limits)
 
 
 def _check_chunk(chunk: engine_pb2.ScheduledChunk, table_len: int, limits: PlanLimits) -> None:
-    sid = chunk.seq_id
-    num_tokens = len(chunk.token_ids) + chunk.last_token_from_sample
+    sid, token_ids, block_ids = chunk.seq_id, chunk.token_ids, chunk.new_block_ids
+    num_tokens = len(token_ids) + chunk.last_token_from_sample
     if not num_tokens:
         raise PlanError(f"seq {sid}: chunk has no token_ids")
-    if chunk.token_ids and max(chunk.token_ids) >= limits.vocab_size:
-        raise PlanError(f"seq {sid}: token id {max(chunk.token_ids)} outside vocab of {limits.vocab_size}")
-    bad = [b for b in chunk.new_block_ids if b >= limits.num_blocks]
-    if bad:
-        raise PlanError(f"seq {sid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})")
+    if token_ids:   # (np.array reads a long prompt's ids in one copy; max() would box each)
+        top = int(np.array(token_ids).max())
+        if top >= limits.vocab_size:
+            raise PlanError(f"seq {sid}: token id {top} outside vocab of {limits.vocab_size}")
+    if block_ids and max(block_ids) >= limits.num_blocks:
+        bad = next(b for b in block_ids if b >= limits.num_blocks)
+        raise PlanError(f"seq {sid}: block id {bad} out of range (num_blocks {limits.num_blocks})")
     end = chunk.start_position + num_tokens
     if end > limits.context_length:
         raise PlanError(f"seq {sid}: positions up to {end} exceed context length {limits.context_length}")
-    capacity = (table_len + len(chunk.new_block_ids)) * limits.block_size
+    capacity = (table_len + len(block_ids)) * limits.block_size
     if end > capacity:
         raise PlanError(f"seq {sid}: positions up to {end} exceed its block table capacity {capacity}")
 
@@ -243,28 +255,35 @@ def _check_history(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
     reads no cached prefix for it). A new sequence's context tokens are the
     positions before its first chunk, exactly."""
     context = {n.seq_id: len(n.context_token_ids) for n in plan.new_sequences if n.context_token_ids}
-    for chunk in plan.chunks:
-        if chunk.seq_id in context and context.pop(chunk.seq_id) != chunk.start_position:
-            raise PlanError(f"seq {chunk.seq_id}: context_token_ids must cover the positions before its "
-                            f"first chunk at {chunk.start_position}")
-    if context:
-        raise PlanError(f"seq {next(iter(context))}: context_token_ids but no chunk in the plan")
+    if context:   # (most plans have none)
+        for chunk in plan.chunks:
+            if chunk.seq_id in context and context.pop(chunk.seq_id) != chunk.start_position:
+                raise PlanError(f"seq {chunk.seq_id}: context_token_ids must cover the positions before its "
+                                f"first chunk at {chunk.start_position}")
+        if context:
+            raise PlanError(f"seq {next(iter(context))}: context_token_ids but no chunk in the plan")
     for chunk in plan.chunks:
         sid = chunk.seq_id
-        params = new_params[sid] if sid in new_params else seqs[sid].params
-        expected = 0 if sid in new_params else seqs[sid].num_computed
+        if sid in new_params:
+            params, expected = new_params[sid], 0
+        else:
+            state = seqs[sid]
+            params, expected = state.params, state.num_computed
         if params.prompt_logprobs is not None and chunk.start_position != expected:
             raise PlanError(f"seq {sid}: prompt_logprobs need every position; its chunk starts at "
                             f"{chunk.start_position}, after {expected} computed")
 
 
-def apply_plan_diffs(plan: engine_pb2.StepPlan, seqs: dict[int, SequenceState]) -> None:
-    """Free, add, and extend block tables, in the plan's order (plan checked)."""
+def apply_plan_diffs(plan: engine_pb2.StepPlan, seqs: dict[int, SequenceState],
+                     new_states: Mapping[int, SequenceState] | None = None) -> None:
+    """Free, add, and extend block tables, in the plan's order (plan checked).
+    ``new_states``: ``validate_plan``'s states of the new sequences (else made again)."""
     for sid in plan.freed_seq_ids:
         del seqs[sid]
     for new in plan.new_sequences:
-        seqs[new.seq_id] = sequence_state(new)
+        seqs[new.seq_id] = new_states[new.seq_id] if new_states is not None else sequence_state(new)
     for chunk in plan.chunks:
         state = seqs[chunk.seq_id]
-        state.block_table.extend(chunk.new_block_ids)
+        if chunk.new_block_ids:
+            state.block_table.extend(chunk.new_block_ids)
         state.num_computed = chunk.start_position + len(chunk.token_ids) + chunk.last_token_from_sample

@@ -177,13 +177,13 @@ class ModelRunner:
         ``wait_for_masks``: needed by a plan with masked chunks; called once,
         with the step id, after the forward was launched (see ``MaskSource``).
         """
-        validate_plan(plan, {} if plan.reset else self.sequences, self.limits)
+        new_states = validate_plan(plan, {} if plan.reset else self.sequences, self.limits)
         masked = [c.seq_id for c in plan.chunks if c.masked]
         if masked and wait_for_masks is None:
             raise PlanError(f"step {plan.step_id}: masked chunks, but no masks to wait for")
         if plan.reset:
             self._forget_all()
-        self._apply(plan)
+        self._apply(plan, new_states)
         result = engine_pb2.StepResult(step_id=plan.step_id)
         if plan.chunks:
             masking = (plan.step_id, masked, wait_for_masks) if masked and wait_for_masks is not None else None
@@ -198,12 +198,17 @@ class ModelRunner:
         self._scoring.clear()
         self._prompt_carry.clear()
 
-    def _apply(self, plan: engine_pb2.StepPlan) -> None:
-        """The plan's diffs, to the sequence states and to the persistent batch's rows."""
-        new_context = {n.seq_id: len(n.context_token_ids) for n in plan.new_sequences}
-        computed = {c.seq_id: new_context[c.seq_id] if c.seq_id in new_context
-                    else self.sequences[c.seq_id].num_computed for c in plan.chunks}
-        apply_plan_diffs(plan, self.sequences)
+    def _apply(self, plan: engine_pb2.StepPlan, new_states: dict[int, SequenceState]) -> None:
+        """The plan's diffs (``new_states``: its new sequences' checked states), to the
+        sequence states and to the persistent batch's rows."""
+        seqs = self.sequences
+        # Positions computed before this step, per chunk (a new sequence: its context tokens).
+        computed = {n.seq_id: len(n.context_token_ids) for n in plan.new_sequences}
+        for c in plan.chunks:
+            sid = c.seq_id
+            if sid not in computed:
+                computed[sid] = seqs[sid].num_computed
+        apply_plan_diffs(plan, seqs, new_states)
         for sid in plan.freed_seq_ids:
             self.batch.remove(sid)
             self._scoring.discard(sid)
@@ -212,12 +217,12 @@ class ModelRunner:
             s = self.sequences[new.seq_id]
             self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
             if new.context_token_ids:   # a cached or shared prefix: its tokens still count
-                self.batch.count_context(new.seq_id, list(new.context_token_ids))
+                self.batch.count_context(new.seq_id, np.array(new.context_token_ids, dtype=np.int64))
             if s.params.prompt_logprobs is not None:
                 self._scoring.add(new.seq_id)
         for chunk in plan.chunks:
-            self.batch.extend_blocks(chunk.seq_id, list(chunk.new_block_ids))
-            if chunk.start_position != computed[chunk.seq_id] and self.sequences[chunk.seq_id].params.penalised:
+            self.batch.extend_blocks(chunk.seq_id, chunk.new_block_ids)
+            if chunk.start_position != computed[chunk.seq_id] and seqs[chunk.seq_id].params.penalised:
                 # Counts are built from the tokens the worker computes: those before are not seen.
                 logger.warning("seq %d: penalties do not count the %d positions before %d (a cached prefix?)",
                                chunk.seq_id, chunk.start_position - computed[chunk.seq_id], chunk.start_position)
