@@ -149,3 +149,39 @@ def test_attention_backend_flag() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "flash"])
 
+
+
+def test_skinny_steps_match_the_torch_backend(config: WorkerConfig, torch_run: list) -> None:
+    """Steps of up to 16 tokens through the skinny linears (norms, residual adds and SiLU folded in),
+    eagerly and from the (emulated) decode graphs, give the torch backend's tokens and logprobs."""
+    skinny = replace(config, attention_backend="triton", batch_invariant=False, skinny_rows=16)
+    for graphs in (False, True):
+        runner = ModelRunner(skinny)
+        assert runner.skinny_rows == 16
+        if graphs:
+            runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.batch, [1, 4], capture=DEVICE == "cuda")
+        rows = []
+        layer = runner.model.ops.skinny_layer
+        runner.model.ops.skinny_layer = lambda *a: rows.append(a[1].shape[0] if a[1] is not None else a[2].shape[0]) or layer(*a)  # type: ignore[method-assign]
+        assert_same_run(generate(runner), torch_run)
+        per_step = sorted(set(rows))
+        # step 0: 11 + 3 prompt tokens; step 1: a decode and 2 tokens; later: decodes (3, padded to 4 by a graph)
+        assert 14 in per_step and (4 in per_step if graphs else 3 in per_step)
+        assert 25 not in per_step   # the 23-token prompt's step ran the unfused layers
+
+
+def test_skinny_rows_default_and_refusals() -> None:
+    from jitney.worker.device import SKINNY_ROWS, skinny_rows
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert skinny_rows(WorkerConfig(), cuda, graph_safe=True, batch_invariant=False) == SKINNY_ROWS
+    assert skinny_rows(WorkerConfig(), cuda, graph_safe=True, batch_invariant=True) == 0
+    assert skinny_rows(WorkerConfig(), cpu, graph_safe=True, batch_invariant=False) == 0
+    assert skinny_rows(WorkerConfig(skinny_rows=8), cpu, graph_safe=True, batch_invariant=False) == 8
+    assert skinny_rows(WorkerConfig(skinny_rows=0), cuda, graph_safe=True, batch_invariant=False) == 0
+    with pytest.raises(ValueError, match="--skinny-rows needs"):
+        skinny_rows(WorkerConfig(skinny_rows=8), cuda, graph_safe=True, batch_invariant=True)
+    with pytest.raises(ValueError, match="--skinny-rows needs"):
+        skinny_rows(WorkerConfig(skinny_rows=8), cpu, graph_safe=False, batch_invariant=False)
+    with pytest.raises(ValueError, match="skinny_rows must be"):
+        WorkerConfig(skinny_rows=65)

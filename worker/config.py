@@ -75,6 +75,11 @@ class WorkerConfig:
         linear layers for the Triton batch-invariant matmul
         (``worker/triton_matmul.py``); ``False`` on the CPU uses oneDNN's
         faster but batch-size-dependent kernels.
+      skinny_rows: steps of at most this many tokens run their linear layers
+        through the skinny Triton kernels, with the norms, residual adds and
+        SiLU·mul folded in (``worker/triton_skinny.py``): Triton attention
+        without batch invariance only. ``None`` = the device's default
+        (``device.SKINNY_ROWS`` on CUDA, 0 elsewhere); 0 = never; at most 64.
       weights_cache: folder of the converted-weights cache
         (``worker/weights_cache.py``); ``None`` = ``$JITNEY_WEIGHTS_CACHE`` or
         ``~/.cache/jitney/weights``.
@@ -98,6 +103,7 @@ class WorkerConfig:
     hang_timeout: float = 30.0
     attention_backend: AttentionBackendName = "auto"
     batch_invariant: bool | None = None
+    skinny_rows: int | None = None
     weights_cache: str | None = None
     use_weights_cache: bool = True
 
@@ -120,6 +126,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.skinny_rows is not None and not 0 <= self.skinny_rows <= 64:
+            raise ValueError(f"skinny_rows must be in [0, 64], got {self.skinny_rows}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError("kv_cache_gib must be > 0")
         if self.hang_timeout != 0 and not MIN_HANG_TIMEOUT <= self.hang_timeout < float("inf"):
@@ -175,6 +183,16 @@ def _hang_timeout(text: str) -> float:
     return value
 
 
+def _skinny_rows(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 64], got {text}")
+    return value
+
+
 def _model_path(text: str) -> str:
     # Checked early so a typo fails at the command line, not after fork.
     path = Path(text)
@@ -227,6 +245,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a token's results never depend on its batch: the Triton matmul on CUDA (slower); "
                             "--no-batch-invariant lets the CPU use oneDNN's faster kernels "
                             "(default: on for the CPU, off on CUDA)")
+    group.add_argument("--skinny-rows", dest="skinny_rows", type=_skinny_rows, default=None, metavar="N",
+                       help="steps of at most N tokens run the skinny Triton linear kernels (norms, residual "
+                            "adds and SiLU folded in); 0 = never (default: measured per device; CUDA only, "
+                            "not with --batch-invariant)")
     group.add_argument("--weights-cache", dest="weights_cache", default=None, metavar="DIR",
                        help="keep converted weights here, so later starts load in seconds "
                             "(default: $JITNEY_WEIGHTS_CACHE or ~/.cache/jitney/weights)")

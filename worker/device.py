@@ -77,6 +77,28 @@ def step_defaults(config: WorkerConfig, device: torch.device) -> tuple[int, int]
     return tokens, seqs
 
 
+# Steps of at most this many tokens run the skinny Triton linears on CUDA (``worker/triton_skinny.py``).
+SKINNY_ROWS = 16
+
+
+def skinny_rows(config: WorkerConfig, device: torch.device, graph_safe: bool, batch_invariant: bool,
+                tuned: int | None = None) -> int:
+    """How many token rows a step may have to run the skinny kernels (0: never).
+
+    The default on CUDA is the card's tuned value (``tuned_configs``), else ``SKINNY_ROWS``.
+    They need the Triton backend's fused ops and are not batch-invariant
+    (their summation order is not the other steps' matmuls'). An explicit
+    ``--skinny-rows`` where they cannot run raises ``ValueError``.
+    """
+    usable = graph_safe and not batch_invariant
+    if config.skinny_rows is None:
+        default = SKINNY_ROWS if tuned is None else tuned
+        return default if usable and device.type == "cuda" else 0
+    if config.skinny_rows and not usable:
+        raise ValueError("--skinny-rows needs the Triton attention backend without --batch-invariant")
+    return config.skinny_rows
+
+
 def resolve_batch_invariant(config: WorkerConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this worker runs its batch-invariant kernels (``--batch-invariant``).
 

@@ -32,11 +32,13 @@ import torch
 
 from jitney.common.model_files import cache_root
 from jitney.engine.v1 import engine_pb2
+from jitney.worker import tuned_configs
 from jitney.worker.attention import AttentionMetadata
 from jitney.worker.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
 from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
-from jitney.worker.device import dtype_name, resolve_batch_invariant, resolve_device, resolve_dtype, step_defaults
+from jitney.worker.device import (dtype_name, resolve_batch_invariant, resolve_device, resolve_dtype, skinny_rows,
+                                  step_defaults)
 from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
@@ -109,9 +111,10 @@ class ModelRunner:
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
                                             batch_invariant=self.batch_invariant, weights_cache=cache)
         loaded = time.perf_counter()
-        self.model.use_backend(make_attention_backend(config.attention_backend, self.device,
-                                                      batch_invariant=self.batch_invariant),
-                               self.facts.context_length)
+        _, tuned_rows = tuned_configs.apply(self.device)   # the card's measured launch choices, if any
+        backend = make_attention_backend(config.attention_backend, self.device, batch_invariant=self.batch_invariant)
+        self.skinny_rows = skinny_rows(config, self.device, backend.graph_safe, self.batch_invariant, tuned_rows)
+        self.model.use_backend(backend, self.facts.context_length, self.skinny_rows)
         max_tokens, max_seqs = step_defaults(config, self.device)
         cfg = self.model.config
         geometry = CacheGeometry(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)

@@ -33,6 +33,44 @@ LOG2_E = 1.4426950408889634
 PREFILL_ROWS = 64
 DECODE_ROWS = 16
 BLOCK_N = 64  # keys per inner iteration (64 halves the loop trips of 32 at the same tile registers)
+# Warps and pipeline stages of a launch: (decode-only, prefill or tile-mapped); None = Triton's default.
+LAUNCH: dict[str, tuple[int | None, int | None]] = {"decode": (None, None), "prefill": (None, None)}
+
+
+@triton.jit
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, l_i, acc,
+                 dims, dim_ok, scale_log2, block_size, kv_head,
+                 cache_stride_block, cache_stride_slot, cache_stride_head,
+                 BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, MASKED: tl.constexpr):
+    """One trip of the online softmax over keys [start, start + BLOCK_N); ``MASKED`` False:
+    every key is below ``kv_end`` and visible to every query row (the same arithmetic, no mask)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < kv_end
+    block = tl.load(table + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+    slot = block * cache_stride_block + (k_pos % block_size) * cache_stride_slot + kv_head * cache_stride_head
+    kv_mask = k_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_P)
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale_log2, float("-inf"))  # (M, BLOCK_N), log2 units
+    else:
+        s = s * scale_log2
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen no visible key yet keeps m = -inf: shift by 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_P)
+    if F32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -76,34 +114,21 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_Q * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GP], tl.float32)
     acc = tl.zeros([BLOCK_Q * GP, HEAD_P], tl.float32)
-    # Keys past the tile's last query position are never visible.
+    # Keys past the tile's last query position are never visible; those up to its first
+    # query's position are visible to every row: whole BLOCK_N trips of them skip the mask.
     kv_end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_Q)
+    full_end = ((first_pos + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
     table = block_tables_ptr + seq * table_stride
-    for start in range(0, kv_end, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_end
-        block = tl.load(table + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-        slot = block * cache_stride_block + (k_pos % block_size) * cache_stride_slot + kv_head * cache_stride_head
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_P)
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))  # (M, BLOCK_N), log2 units
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no visible key yet keeps m = -inf: shift by 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_P)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for start in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, l_i, acc,
+                                     dims, dim_ok, scale_log2, block_size, kv_head,
+                                     cache_stride_block, cache_stride_slot, cache_stride_head,
+                                     BLOCK_N, F32_DOT, False)
+    for start in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, l_i, acc,
+                                     dims, dim_ok, scale_log2, block_size, kv_head,
+                                     cache_stride_block, cache_stride_slot, cache_stride_head,
+                                     BLOCK_N, F32_DOT, True)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + tok)[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :]
     tl.store(o_ptr + o_off, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -192,8 +217,14 @@ def paged_attention(
         block_tables.stride(0), block_size,
         G=group, GP=gp, HEAD_DIM=head_dim, HEAD_P=triton.next_power_of_2(head_dim),
         BLOCK_Q=block_q, BLOCK_N=BLOCK_N, F32_DOT=_f32_dot(query.dtype), FLAT=tiles is not None,
+        **_launch_options("decode" if tiles is None and max_query_len == 1 else "prefill"),
     )
     return out
+
+
+def _launch_options(kind: str) -> dict[str, int]:
+    warps, stages = LAUNCH[kind]
+    return {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v is not None}
 
 
 def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:

@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Kernel launch choices measured on the card: what ``worker/tuned/<card>.json`` is made of.
+
+    python bench/gpu_kernels.py --out $OUT/kernels.md --json $OUT/kernels.json --tuned-dir $OUT/tuned
+        [--shapes 1b 135m] [--budget-s 200]
+
+On a CUDA machine (bench/gpu_run.sh runs it before bench/gpu.py, which then
+reads the file through ``$JITNEY_TUNED_CONFIGS``). Three measurements, each
+timed on the device (CUDA events around replays of a CUDA graph of many
+calls, so launch latency from Python is out, as in the worker's graphs):
+
+1. **Skinny linears**: for each weight matrix shape of the model shapes
+   (qkv, o, gate_up, down, head), every candidate launch config of
+   ``triton_skinny`` at one row, against ``F.linear`` (cuBLAS). The calls
+   cycle through enough copies of the weight that none stays in L2, as in a
+   real step where each layer reads its own. The best config per shape is
+   kept; then rows 1..64 with it, against cuBLAS.
+2. **Attention**: one 2048-token prefill of a fresh sequence through the
+   paged cache, per candidate (rows per tile, keys per trip, warps,
+   stages), per head layout; the fastest is kept. Decode launches at 64
+   sequences of 128 keys, per (warps, stages).
+3. **Decode steps**: a ``ModelRunner`` per shape with ``--skinny-rows 0``
+   and ``64`` (the tuned launch configs applied), the captured decode graph
+   of each size 1..64 replayed alone. ``skinny_rows`` is the largest size
+   up to which the skinny path is faster at every size on every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+from bench.gpu import SHAPES, ensure_jitney_importable, log, make_checkpoint, prefill_plans, tokenizer_dir  # noqa: E402
+
+SKINNY_CANDIDATES = [(bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, s in ((4, 3), (4, 4), (8, 4))]
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+ATTENTION_CANDIDATES = [(rows, bn, w, s) for rows in (64, 128) for bn in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+DECODE_ATTENTION_CANDIDATES = [(None, None), (2, 2), (4, 2), (4, 3), (8, 2)]
+L2_BYTES = 128 * 2**20   # more than any card's L2: the calls' weights never all fit
+PREFILL_TOKENS = 2048
+DEVICE = "cuda"   # "cpu" with --smoke: the plumbing under the Triton interpreter, one call per timing
+
+
+def linear_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each weight matrix of a model shape."""
+    spec = SHAPES[shape]
+    h, i = spec["hidden_size"], spec["intermediate_size"]
+    nh, kvh = spec["num_attention_heads"], spec["num_key_value_heads"]
+    d = h // nh
+    return {"qkv": ((nh + 2 * kvh) * d, h), "o": (h, nh * d), "gate_up": (2 * i, h), "down": (h, i),
+            "head": (49152 if DEVICE == "cuda" else 256, h)}
+
+
+def graph_seconds(call: Callable[[int], Any], reps: int = 24, replays: int = 5) -> float:
+    """Device seconds per ``call(i)``: a CUDA graph of ``reps`` calls, replayed ``replays`` times."""
+    import torch
+
+    if DEVICE == "cpu":
+        started = time.perf_counter()
+        call(0)
+        return time.perf_counter() - started
+    for i in range(reps):   # compile, and warm cuBLAS, outside the capture
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            call(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / (reps * replays)
+
+
+def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> dict[str, list[int]]:
+    import torch
+
+    from jitney.worker import triton_skinny
+
+    best: dict[str, list[int]] = {}
+    rows_table = []
+    seen: set[tuple[int, int]] = set()
+    for shape in shapes:
+        for name, (n, k) in linear_shapes(shape).items():
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            nbytes = n * k * 2
+            copies = max(2, min(32, math.ceil(L2_BYTES / nbytes)))
+            weights = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            x = {m: torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16) for m in ROWS}
+            outs = {m: torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16) for m in ROWS}
+            cublas1 = graph_seconds(lambda i: torch.matmul(x[1], weights[i % copies].T, out=outs[1]))
+            results = []
+            for cand in SKINNY_CANDIDATES:
+                if time.monotonic() > deadline:
+                    break
+                triton_skinny.CONFIGS[(n, k)] = triton_skinny.SkinnyConfig(*cand)
+                try:
+                    sec = graph_seconds(lambda i: triton_skinny.skinny_linear(x[1], weights[i % copies], out=outs[1],
+                                                                              check=False))
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile/fit is skipped
+                    log(f"   skinny {n}x{k} {cand}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                results.append((sec, cand))
+            results.sort()
+            sec, cand = results[0]
+            best[f"{n}x{k}"] = list(cand)
+            triton_skinny.CONFIGS[(n, k)] = triton_skinny.SkinnyConfig(*cand)
+            log(f"   skinny {shape} {name} {n}x{k}: best {cand} {sec * 1e6:.1f} us ({nbytes / sec / 1e9:.0f} GB/s), "
+                f"cuBLAS {cublas1 * 1e6:.1f} us ({nbytes / cublas1 / 1e9:.0f} GB/s)")
+            report.setdefault("skinny_candidates", []).append(
+                {"shape": shape, "layer": name, "n": n, "k": k, "cublas_s": cublas1,
+                 "candidates": [{"config": list(c), "s": s} for s, c in results]})
+            for m in ROWS:
+                sk = graph_seconds(lambda i: triton_skinny.skinny_linear(x[m], weights[i % copies], out=outs[m],
+                                                                         check=False))
+                cb = graph_seconds(lambda i: torch.matmul(x[m], weights[i % copies].T, out=outs[m]))
+                rows_table.append({"shape": shape, "layer": name, "n": n, "k": k, "rows": m, "skinny_s": sk,
+                                   "cublas_s": cb, "gbps_skinny": nbytes / sk / 1e9, "gbps_cublas": nbytes / cb / 1e9})
+            del weights
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    report["skinny_rows_table"] = rows_table
+    return best
+
+
+def paged_inputs(tokens: int, nh: int, kvh: int, d: int, block_size: int = 16) -> dict[str, Any]:
+    import torch
+
+    blocks = -(-tokens // block_size)
+    k_cache = torch.randn(blocks, block_size, kvh, d, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(tokens, nh, d, device=DEVICE, dtype=torch.bfloat16)
+    return {"q": q, "k": k_cache, "v": v_cache, "out": torch.empty_like(q),
+            "qsl": torch.tensor([0, tokens], device=DEVICE, dtype=torch.int32),
+            "lens": torch.tensor([tokens], device=DEVICE, dtype=torch.int32),
+            "table": torch.arange(blocks, device=DEVICE, dtype=torch.int32)[None, :]}
+
+
+def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) -> dict[str, Any]:
+    import torch
+
+    from jitney.worker import triton_attention as ta
+
+    layouts = sorted({(SHAPES[s]["num_attention_heads"], SHAPES[s]["num_key_value_heads"],
+                       SHAPES[s]["hidden_size"] // SHAPES[s]["num_attention_heads"]) for s in shapes}, reverse=True)
+    tokens = PREFILL_TOKENS
+    totals: dict[tuple, float] = {}
+    rows = []
+    defaults = (ta.PREFILL_ROWS, ta.BLOCK_N, dict(ta.LAUNCH))
+    for nh, kvh, d in layouts:
+        t = paged_inputs(tokens, nh, kvh, d)
+        flops = 4 * tokens * (tokens + 1) / 2 * nh * d
+        for cand in ATTENTION_CANDIDATES:
+            if time.monotonic() > deadline:
+                break
+            ta.PREFILL_ROWS, ta.BLOCK_N = cand[0], cand[1]
+            ta.LAUNCH["prefill"] = (cand[2], cand[3])
+            try:
+                sec = graph_seconds(lambda i: ta.paged_attention(t["q"], t["k"], t["v"], t["qsl"], t["lens"],
+                                                                 t["table"], d**-0.5, tokens, out=t["out"],
+                                                                 check=False), reps=8, replays=3)
+            except Exception as exc:  # noqa: BLE001
+                log(f"   attention {nh}/{kvh} {cand}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            totals[cand] = totals.get(cand, 0.0) + sec
+            rows.append({"heads": [nh, kvh, d], "config": list(cand), "s": sec, "tflops": flops / sec / 1e12})
+        ours = [r for r in rows if r["heads"] == [nh, kvh, d]]
+        if ours:
+            fastest = min(ours, key=lambda r: r["s"])
+            log(f"   attention prefill {tokens} ({nh}/{kvh}): best {fastest['config']} {fastest['s'] * 1e6:.0f} us "
+                f"({fastest['tflops']:.0f} TFLOP/s)")
+        del t
+    ta.PREFILL_ROWS, ta.BLOCK_N = defaults[0], defaults[1]
+    ta.LAUNCH.update(defaults[2])
+    report["attention_prefill"] = rows
+    # Chosen: the fastest summed over the layouts (every candidate ran on every layout).
+    complete = {c: s for c, s in totals.items() if sum(r["config"] == list(c) for r in rows) == len(layouts)}
+    choice: dict[str, Any] = {}
+    if complete:
+        won = min(complete, key=complete.__getitem__)
+        choice = {"prefill_rows": won[0], "block_n": won[1], "prefill": [won[2], won[3]]}
+        ta.PREFILL_ROWS, ta.BLOCK_N, ta.LAUNCH["prefill"] = won[0], won[1], (won[2], won[3])
+    # Decode launches: 64 sequences of 128 keys.
+    nh, kvh, d = layouts[0]
+    seqs, ctx = 64, 128
+    blocks = ctx // 16
+    k_cache = torch.randn(seqs * blocks, 16, kvh, d, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(seqs, nh, d, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    qsl = torch.arange(seqs + 1, device=DEVICE, dtype=torch.int32)
+    lens = torch.full((seqs,), ctx, device=DEVICE, dtype=torch.int32)
+    table = torch.arange(seqs * blocks, device=DEVICE, dtype=torch.int32).view(seqs, blocks)
+    dec = []
+    for launch in DECODE_ATTENTION_CANDIDATES:
+        ta.LAUNCH["decode"] = launch
+        sec = graph_seconds(lambda i: ta.paged_attention(q, k_cache, v_cache, qsl, lens, table, d**-0.5, 1, out=out,
+                                                         check=False))
+        dec.append({"config": list(launch), "s": sec})
+        log(f"   attention decode {seqs}x{ctx} ({nh}/{kvh}) {launch}: {sec * 1e6:.1f} us")
+    report["attention_decode"] = dec
+    fastest = min(dec, key=lambda r: r["s"])
+    choice["decode"] = fastest["config"]
+    ta.LAUNCH["decode"] = tuple(fastest["config"])
+    return choice
+
+
+def decode_graphs(shapes: list[str], models: dict[str, Path], tuned: dict[str, Any], report: dict[str, Any],
+                  deadline: float) -> int:
+    """Graph replay per captured size, skinny off and on; the largest size where on wins everywhere."""
+    import torch
+
+    from jitney.engine.v1 import engine_pb2 as e
+    from jitney.worker import tuned_configs
+    from jitney.worker.config import WorkerConfig
+    from jitney.worker.runner import ModelRunner
+
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64]
+    per_seq = 10   # blocks of 16: 160 positions, the 128 of context and every decode step below
+    table: list[dict[str, Any]] = []
+    for shape in shapes:
+        for rows in (0, 64):
+            if time.monotonic() > deadline:
+                log(f"   decode graphs {shape} skinny {rows}: skipped (budget)")
+                continue
+            tuned_configs.apply_data(tuned)
+            config = WorkerConfig(model=str(models[shape]), device=DEVICE,
+                                  dtype="bfloat16" if DEVICE == "cuda" else "float32",
+                                  num_blocks=64 * per_seq + 16, max_num_seqs=64, max_num_batched_tokens=2048,
+                                  skinny_rows=rows, attention_backend="triton", batch_invariant=False)
+            runner = ModelRunner(config)
+            for plan in prefill_plans(64, 128, per_seq, 2048):
+                runner.execute(plan)
+            positions = dict.fromkeys(range(1, 65), 128)
+            counter = iter(range(100, 10_000))
+
+            def decode(seq_ids: range) -> float:
+                plan = e.StepPlan(step_id=next(counter))
+                for sid in seq_ids:
+                    plan.chunks.add(seq_id=sid, start_position=positions[sid], token_ids=[5], sample=True)
+                started = time.perf_counter()
+                runner.execute(plan)
+                for sid in seq_ids:
+                    positions[sid] += 1
+                return time.perf_counter() - started
+
+            for size in sizes:
+                decode(range(1, size + 1))   # stages a real step of this size; the graph then replays it alone
+                graph_s = runner.graphs.replay_seconds(size) if runner.graphs is not None else None
+                table.append({"shape": shape, "skinny_rows": rows, "size": size, "graph_s": graph_s})
+            times = [decode(range(1, 2)) for _ in range(12)][3:]
+            report.setdefault("decode_execute_b1", []).append(
+                {"shape": shape, "skinny_rows": rows, "execute_s_median": statistics.median(times)})
+            log(f"   decode {shape} skinny_rows {rows}: graph ms by size " + ", ".join(
+                f"{t['size']}: {t['graph_s'] * 1e3:.3f}" for t in table
+                if t["shape"] == shape and t["skinny_rows"] == rows and t["graph_s"])
+                + f"; execute() batch 1 {statistics.median(times) * 1e3:.3f} ms")
+            del runner
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    report["decode_graphs"] = table
+    best = 0
+    for size in sizes:
+        pairs = [(t, u) for t in table for u in table
+                 if t["size"] == u["size"] == size and t["shape"] == u["shape"]
+                 and t["skinny_rows"] == 0 and u["skinny_rows"] == 64 and t["graph_s"] and u["graph_s"]]
+        if not pairs or any(u["graph_s"] >= t["graph_s"] for t, u in pairs):
+            break
+        best = size
+    return best
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"# Kernel launch choices on {report['card']}", "", f"{report['date']}; torch {report['torch']}, "
+             f"triton {report['triton']}; `bench/gpu_kernels.py` in {report['elapsed_s']:.0f} s.", ""]
+    lines += ["## Skinny linears against cuBLAS (device time per call, weights never in L2)", "",
+              "| shape | layer | N x K | rows | skinny us | cuBLAS us | skinny GB/s | cuBLAS GB/s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in report.get("skinny_rows_table", []):
+        lines.append(f"| {r['shape']} | {r['layer']} | {r['n']}x{r['k']} | {r['rows']} | {r['skinny_s'] * 1e6:.1f} | "
+                     f"{r['cublas_s'] * 1e6:.1f} | {r['gbps_skinny']:.0f} | {r['gbps_cublas']:.0f} |")
+    lines += ["", "## Attention, one 2048-token prefill (fastest five per head layout)", "",
+              "| heads | rows, keys/trip, warps, stages | us | TFLOP/s |", "|---|---|---|---|"]
+    for heads in sorted({tuple(r["heads"]) for r in report.get("attention_prefill", [])}, reverse=True):
+        ours = sorted((r for r in report["attention_prefill"] if tuple(r["heads"]) == heads), key=lambda r: r["s"])
+        for r in ours[:5]:
+            lines.append(f"| {heads[0]}/{heads[1]} | {r['config']} | {r['s'] * 1e6:.0f} | {r['tflops']:.0f} |")
+        base = [r for r in ours if r["config"][:2] == [64, 64] and r["config"][2:] == [4, 3]]
+        if base:
+            lines.append(f"| {heads[0]}/{heads[1]} | before: [64, 64, 4, 3] | {base[0]['s'] * 1e6:.0f} | "
+                         f"{base[0]['tflops']:.0f} |")
+    lines += ["", "## Decode attention, 64 sequences x 128 keys", "", "| warps, stages | us |", "|---|---|"]
+    for r in report.get("attention_decode", []):
+        lines.append(f"| {r['config']} | {r['s'] * 1e6:.1f} |")
+    lines += ["", "## Decode graph replay (ms) by captured size: skinny_rows 0 / 64", "",
+              "| shape | size | cuBLAS + fused ops | skinny |", "|---|---|---|---|"]
+    graphs = report.get("decode_graphs", [])
+    for t in graphs:
+        if t["skinny_rows"] == 0 and t["graph_s"]:
+            u = [v for v in graphs if v["shape"] == t["shape"] and v["size"] == t["size"] and v["skinny_rows"] == 64]
+            on = f"{u[0]['graph_s'] * 1e3:.3f}" if u and u[0]["graph_s"] else "n/a"
+            lines.append(f"| {t['shape']} | {t['size']} | {t['graph_s'] * 1e3:.3f} | {on} |")
+    for r in report.get("decode_execute_b1", []):
+        lines.append(f"\n`execute()` batch 1, {r['shape']}, skinny_rows {r['skinny_rows']}: "
+                     f"{r['execute_s_median'] * 1e3:.3f} ms")
+    lines += ["", "## Chosen", "", "```json", json.dumps(report.get("tuned", {}), indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["1b", "135m"])
+    p.add_argument("--tokenizer", default=None, metavar="DIR")
+    p.add_argument("--budget-s", type=float, default=200.0)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--tuned-dir", type=Path, required=True, help="where the card's tuned JSON file is written")
+    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "attention", "decode"])
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, under TRITON_INTERPRET=1: the plumbing with two candidates each (tests)")
+    args = p.parse_args()
+    if args.smoke:
+        global DEVICE, SKINNY_CANDIDATES, ATTENTION_CANDIDATES, DECODE_ATTENTION_CANDIDATES, ROWS, PREFILL_TOKENS
+        DEVICE, PREFILL_TOKENS = "cpu", 64
+        SKINNY_CANDIDATES, ATTENTION_CANDIDATES = SKINNY_CANDIDATES[:2], ATTENTION_CANDIDATES[:2]
+        DECODE_ATTENTION_CANDIDATES, ROWS = DECODE_ATTENTION_CANDIDATES[:2], (1, 2)
+    ensure_jitney_importable()
+    import datetime
+    import tempfile
+
+    import torch
+    import triton
+
+    from jitney.worker import tuned_configs
+
+    started = time.monotonic()
+    deadline = started + args.budget_s
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke)"
+    report: dict[str, Any] = {"card": card, "torch": torch.__version__, "triton": triton.__version__,
+                              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    tuned: dict[str, Any] = {"device": card}
+
+    def save() -> None:
+        report["elapsed_s"] = time.monotonic() - started
+        report["tuned"] = tuned
+        args.tuned_dir.mkdir(parents=True, exist_ok=True)
+        (args.tuned_dir / tuned_configs.file_name(card)).write_text(json.dumps(tuned, indent=1) + "\n")
+        args.json.write_text(json.dumps(report, indent=1))
+        args.out.write_text(render(report))
+
+    if "skinny" not in args.skip:
+        log("== skinny linears")
+        tuned["skinny"] = sweep_skinny(args.shapes, report, started + 0.45 * args.budget_s)
+        save()
+    if "attention" not in args.skip:
+        log("== attention")
+        tuned["attention"] = sweep_attention(args.shapes, report, started + 0.7 * args.budget_s)
+        save()
+    if "decode" not in args.skip:
+        log("== decode graphs, skinny off / on")
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_args = argparse.Namespace(device=DEVICE, tokenizer=args.tokenizer)
+            tok = tokenizer_dir(bench_args, Path(tmp))
+            models = {s: make_checkpoint(s, Path(tmp) / s, tok, bench_args) for s in args.shapes}
+            tuned["skinny_rows"] = decode_graphs(args.shapes, models, tuned, report, deadline)
+        save()
+    log(f"tuned: {json.dumps(tuned)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
