@@ -43,9 +43,12 @@ if str(ROOT) not in sys.path:
 
 from bench.gpu import SHAPES, ensure_jitney_importable, log, make_checkpoint, prefill_plans, tokenizer_dir  # noqa: E402
 
-SKINNY_CANDIDATES = [(bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, s in ((4, 3), (4, 4), (8, 4))]
+SKINNY_CANDIDATES = [*((bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256) for w, s in ((4, 3), (4, 4), (8, 4))),
+                     (16, 512, 4, 3), (16, 512, 4, 4)]
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ATTENTION_CANDIDATES = [(rows, bn, w, s) for rows in (64, 128) for bn in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+# (rows per tile, keys per trip, warps, stages); the first is the built-in choice
+ATTENTION_CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 4, 3),
+                        (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3)]
 DECODE_ATTENTION_CANDIDATES = [(None, None), (2, 2), (4, 2), (4, 3), (8, 2)]
 L2_BYTES = 128 * 2**20   # more than any card's L2: the calls' weights never all fit
 PREFILL_TOKENS = 2048
@@ -243,10 +246,10 @@ def decode_graphs(shapes: list[str], models: dict[str, Path], tuned: dict[str, A
             tuned_configs.apply_data(tuned)
             config = WorkerConfig(model=str(models[shape]), device=DEVICE,
                                   dtype="bfloat16" if DEVICE == "cuda" else "float32",
-                                  num_blocks=64 * per_seq + 16, max_num_seqs=64, max_num_batched_tokens=2048,
+                                  num_blocks=64 * per_seq + 16, max_num_seqs=64, max_num_batched_tokens=128,
                                   skinny_rows=rows, attention_backend="triton", batch_invariant=False)
             runner = ModelRunner(config)
-            for plan in prefill_plans(64, 128, per_seq, 2048):
+            for plan in prefill_plans(64, 128, per_seq, 128):
                 runner.execute(plan)
             positions = dict.fromkeys(range(1, 65), 128)
             counter = iter(range(100, 10_000))
