@@ -131,6 +131,8 @@ def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> 
                 {"shape": shape, "layer": name, "n": n, "k": k, "cublas_s": cublas1,
                  "candidates": [{"config": list(c), "s": s} for s, c in results]})
             for m in ROWS:
+                if time.monotonic() > deadline:
+                    break
                 sk = graph_seconds(lambda i: triton_skinny.skinny_linear(x[m], weights[i % copies], out=outs[m],
                                                                          check=False))
                 cb = graph_seconds(lambda i: torch.matmul(x[m], weights[i % copies].T, out=outs[m]))
@@ -141,6 +143,48 @@ def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> 
                 torch.cuda.empty_cache()
     report["skinny_rows_table"] = rows_table
     return best
+
+
+EDGES = {"qkv": ["none", "norm", "norm_late", "scale"], "o": ["none", "add"], "gate_up": ["none", "norm", "norm_late"],
+         "down": ["none", "silu_mul", "silu_mul+add"], "head": ["none", "norm", "norm_late"]}
+
+
+def sweep_edges(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
+    """What each fused edge (prologue, residual add) costs a skinny product, at 1 and 16 rows."""
+    import torch
+
+    from jitney.worker import triton_skinny
+
+    rows = []
+    for shape in shapes:
+        for name, (n, k) in linear_shapes(shape).items():
+            if time.monotonic() > deadline:
+                break
+            copies = max(2, min(32, math.ceil(L2_BYTES / (n * k * 2))))
+            weights = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            nw = torch.randn(k, device=DEVICE, dtype=torch.bfloat16)
+            for m in (1, 16):
+                x = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+                out = torch.zeros(m, n, device=DEVICE, dtype=torch.bfloat16)
+                cublas = graph_seconds(lambda i: torch.matmul(x[:, :k], weights[i % copies].T, out=out))
+                entry = {"shape": shape, "layer": name, "n": n, "k": k, "rows": m, "cublas_s": cublas}
+                for edge in EDGES[name]:
+                    prologue, add = edge.removesuffix("+add"), edge.endswith("add")
+                    prologue = "none" if prologue == "add" else prologue
+                    xin = x if prologue == "silu_mul" else x[:, :k]
+                    norm = nw if prologue in ("norm", "norm_late", "scale") else None
+                    try:
+                        entry[edge] = graph_seconds(lambda i: triton_skinny.skinny_linear(
+                            xin, weights[i % copies], prologue=prologue, norm_weight=norm, eps=1e-5, out=out,
+                            add=add, check=False))
+                    except Exception as exc:  # noqa: BLE001
+                        log(f"   edge {shape} {name} {edge}: {type(exc).__name__}: {str(exc)[:160]}")
+                rows.append(entry)
+                log(f"   edges {shape} {name} {n}x{k} rows {m}: cuBLAS {cublas * 1e6:.1f} us; " + ", ".join(
+                    f"{e} {entry[e] * 1e6:.1f}" for e in EDGES[name] if e in entry))
+            del weights
+            torch.cuda.empty_cache()
+    report["edges"] = rows
 
 
 def paged_inputs(tokens: int, nh: int, kvh: int, d: int, block_size: int = 16) -> dict[str, Any]:
@@ -299,6 +343,11 @@ def render(report: dict[str, Any]) -> str:
     for r in report.get("skinny_rows_table", []):
         lines.append(f"| {r['shape']} | {r['layer']} | {r['n']}x{r['k']} | {r['rows']} | {r['skinny_s'] * 1e6:.1f} | "
                      f"{r['cublas_s'] * 1e6:.1f} | {r['gbps_skinny']:.0f} | {r['gbps_cublas']:.0f} |")
+    lines += ["", "## Skinny products with their edges (device us per call)", "",
+              "| shape | layer | rows | cuBLAS | edges |", "|---|---|---|---|---|"]
+    for r in report.get("edges", []):
+        edges = ", ".join(f"{e} {r[e] * 1e6:.1f}" for e in EDGES[r["layer"]] if e in r)
+        lines.append(f"| {r['shape']} | {r['layer']} | {r['rows']} | {r['cublas_s'] * 1e6:.1f} | {edges} |")
     lines += ["", "## Attention, one 2048-token prefill (fastest five per head layout)", "",
               "| heads | rows, keys/trip, warps, stages | us | TFLOP/s |", "|---|---|---|---|"]
     for heads in sorted({tuple(r["heads"]) for r in report.get("attention_prefill", [])}, reverse=True):
@@ -335,7 +384,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--tuned-dir", type=Path, required=True, help="where the card's tuned JSON file is written")
-    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "attention", "decode"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "edges", "attention", "decode"])
     p.add_argument("--smoke", action="store_true",
                    help="CPU, under TRITON_INTERPRET=1: the plumbing with two candidates each (tests)")
     args = p.parse_args()
@@ -370,11 +419,24 @@ def main() -> int:
 
     if "skinny" not in args.skip:
         log("== skinny linears")
-        tuned["skinny"] = sweep_skinny(args.shapes, report, started + 0.45 * args.budget_s)
+        try:
+            tuned["skinny"] = sweep_skinny(args.shapes, report, started + 0.4 * args.budget_s)
+        except Exception as exc:  # noqa: BLE001
+            log(f"!! skinny: {type(exc).__name__}: {exc}")
+        save()
+    if "edges" not in args.skip:
+        log("== skinny edges")
+        try:
+            sweep_edges(args.shapes, report, started + 0.55 * args.budget_s)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
+            log(f"!! edges: {type(exc).__name__}: {exc}")
         save()
     if "attention" not in args.skip:
         log("== attention")
-        tuned["attention"] = sweep_attention(args.shapes, report, started + 0.7 * args.budget_s)
+        try:
+            tuned["attention"] = sweep_attention(args.shapes, report, started + 0.75 * args.budget_s)
+        except Exception as exc:  # noqa: BLE001
+            log(f"!! attention: {type(exc).__name__}: {exc}")
         save()
     if "decode" not in args.skip:
         log("== decode graphs, skinny off / on")

@@ -182,3 +182,15 @@ for arch in (80, 90):
                                           BLOCK_K=256, F32_DOT=False, SOFT_BF16=False), arch)
 print("compiled")
 ''')
+
+
+def test_measured_norm_variants_stay_close_to_the_norm() -> None:
+    """bench/gpu_kernels.py times "norm_late" (rows scaled after the product) against "norm": same
+    product to bf16 rounding; "scale" is the product of x times the norm weight."""
+    g = torch.Generator().manual_seed(6)
+    x = rand(g, 3, 64, dtype=torch.bfloat16, scale=2.0)
+    w, nw = rand(g, 24, 64, dtype=torch.bfloat16, scale=0.1), rand(g, 64, dtype=torch.bfloat16)
+    late = skinny_linear(dev(x), dev(w), prologue="norm_late", norm_weight=dev(nw), eps=EPS)
+    close(late, ref_linear(ref_norm(x, nw), w, None))
+    scaled = skinny_linear(dev(x), dev(w), prologue="scale", norm_weight=dev(nw))
+    close(scaled, ref_linear((x.float() * nw.float()).to(torch.bfloat16), w, None))

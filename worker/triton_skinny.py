@@ -44,8 +44,13 @@ from jitney.worker.triton_fused import _round, _soft_bf16
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PROLOGUES = {"none": 0, "norm": 1, "silu_mul": 2}
+# Measured alternatives (bench/gpu_kernels.py, not used by the model): "norm_late" scales each row by
+# its RMS after the product (the sum of squares taken in the same loop, other rounding); "scale" only
+# multiplies x by the norm weight (what an elementwise step before the product costs).
+VARIANTS = {"norm_late": 3, "scale": 4}
 # The most rows a skinny launch takes; above it every row block would re-read the weights.
 MAX_ROWS = 64
+SMEM_BYTES = 160 * 1024   # what a launch's pipeline stages may take (Hopper has 227 KB, Ampere 163 KB per block)
 
 
 class SkinnyConfig(NamedTuple):
@@ -97,6 +102,8 @@ def _skinny_kernel(
             xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
             sq += tl.sum(xk * xk, axis=1)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(sq / K + eps))
+    if PROLOGUE == 3:  # (measured variant) the sum of squares rides along; the rows are scaled at the end
+        sq3 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -112,11 +119,19 @@ def _skinny_kernel(
                 y = _round(a.to(tl.float32) * rstd[:, None], dtype, SOFT_BF16)
                 nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 a = _round(nw[None, :] * y.to(tl.float32), dtype, SOFT_BF16)
+            if PROLOGUE == 3 or PROLOGUE == 4:
+                a32 = a.to(tl.float32)
+                if PROLOGUE == 3:
+                    sq3 += tl.sum(a32 * a32, axis=1)
+                nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = _round(nw[None, :] * a32, dtype, SOFT_BF16)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
         if F32_DOT:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w))
+    if PROLOGUE == 3:
+        acc = acc * tl.div_rn(1.0, tl.sqrt_rn(sq3 / K + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
@@ -130,7 +145,7 @@ def _skinny_kernel(
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: str,
            norm_weight: torch.Tensor | None, out: torch.Tensor | None, add: bool) -> None:
-    if prologue not in PROLOGUES:
+    if prologue not in PROLOGUES and prologue not in VARIANTS:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous (N, K) matrix, got shape {tuple(weight.shape)}")
@@ -150,7 +165,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pro
         if vec is not None and (vec.shape != (size,) or vec.dtype != weight.dtype or vec.device != weight.device
                                 or vec.stride(0) != 1):
             raise ValueError(f"{name} must be a contiguous ({size},) {weight.dtype} vector on {weight.device}")
-    if (prologue == "norm") != (norm_weight is not None):
+    if (prologue in ("norm", "norm_late", "scale")) != (norm_weight is not None):
         raise ValueError("norm_weight is needed by the norm prologue and only by it")
     if add and out is None:
         raise ValueError("add=True adds into out (the residual): out is needed")
@@ -193,12 +208,15 @@ def skinny_linear(
         return out
     cfg = skinny_config(n, k)
     block_m = max(16, triton.next_power_of_2(m))
+    block_k = cfg.block_k
+    while block_k > 32 and cfg.num_stages * (block_m + cfg.block_n) * block_k * weight.element_size() > SMEM_BYTES:
+        block_k //= 2   # more rows per block: shorter K trips keep the pipeline's stages in shared memory
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
     _skinny_kernel[grid](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, out,
         m, n, k, x.stride(0), out.stride(0), eps,
-        PROLOGUE=PROLOGUES[prologue], ADD=add, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PROLOGUE=PROLOGUES.get(prologue, VARIANTS.get(prologue, 0)), ADD=add, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         F32_DOT=_f32_dot(weight.dtype), SOFT_BF16=_soft_bf16(weight.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
