@@ -25,9 +25,11 @@ chunk (the eager path), the row labelled ``prefill N``.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -121,9 +123,11 @@ def main() -> int:
             if args.emulate_graphs:
                 runner.graphs = EmulatedGraphs(runner.model, runner.cache, runner.batch, capture_sizes(max_seqs),
                                                capture=False)
-            rows = [(str(b), lambda b=b: measure(runner, b, args.context, args.reps)) for b in args.batch]
+            rows: list[tuple[str, Callable[[], tuple[float, float]]]] = [
+                (str(b), functools.partial(measure, runner, b, args.context, args.reps)) for b in args.batch]
             if args.prefill:
-                rows.append((f"prefill {args.prefill}", lambda: measure_prefill(runner, args.prefill, args.reps)))
+                rows.append((f"prefill {args.prefill}", functools.partial(measure_prefill, runner, args.prefill,
+                                                                          args.reps)))
             for label, run in rows:
                 model_s, total_s = run()
                 print(f"| {dtype} | {invariant} | {label} | {model_s * 1000:.1f} | {total_s * 1000:.1f} | "

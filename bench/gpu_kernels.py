@@ -5,24 +5,23 @@
         [--shapes 1b 135m] [--budget-s 200]
 
 On a CUDA machine (bench/gpu_run.sh runs it before bench/gpu.py, which then
-reads the file through ``$JITNEY_TUNED_CONFIGS``). Three measurements, each
-timed on the device (CUDA events around replays of a CUDA graph of many
-calls, so launch latency from Python is out, as in the worker's graphs):
+reads the file through ``$JITNEY_TUNED_CONFIGS``). Timed on the device:
+CUDA events around replays of a CUDA graph of many calls, so launch latency
+from Python is out, as in the worker's graphs.
 
 1. **Skinny linears**: for each weight matrix shape of the model shapes
    (qkv, o, gate_up, down, head), every candidate launch config of
-   ``triton_skinny`` at one row, against ``F.linear`` (cuBLAS). The calls
-   cycle through enough copies of the weight that none stays in L2, as in a
-   real step where each layer reads its own. The best config per shape is
-   kept; then rows 1..64 with it, against cuBLAS.
+   ``triton_skinny`` at one row, against cuBLAS. The calls cycle through
+   enough copies of the weight that none stays in L2, as in a real step
+   where each layer reads its own. The best config per shape, then rows
+   1..64 with it, against cuBLAS.
 2. **Attention**: one 2048-token prefill of a fresh sequence through the
    paged cache, per candidate (rows per tile, keys per trip, warps,
-   stages), per head layout; the fastest is kept. Decode launches at 64
-   sequences of 128 keys, per (warps, stages).
-3. **Decode steps**: a ``ModelRunner`` per shape with ``--skinny-rows 0``
-   and ``64`` (the tuned launch configs applied), the captured decode graph
-   of each size 1..64 replayed alone. ``skinny_rows`` is the largest size
-   up to which the skinny path is faster at every size on every shape.
+   stages), per head layout; decode launches at 64 sequences of 128 keys,
+   per (warps, stages).
+
+``choose`` turns the measurements into the tuned file (the rule is in its
+docstring); ``--from-json`` reapplies it to a saved report without a GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from bench.gpu import SHAPES, ensure_jitney_importable, log, make_checkpoint, pr
 
 SKINNY_CANDIDATES = [*((bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256) for w, s in ((4, 3), (4, 4), (8, 4))),
                      (16, 512, 4, 3), (16, 512, 4, 4)]
-ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 # (rows per tile, keys per trip, warps, stages); the first is the built-in choice
 ATTENTION_CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 4, 3),
                         (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3)]
@@ -90,13 +89,13 @@ def graph_seconds(call: Callable[[int], Any], reps: int = 24, replays: int = 5) 
     return start.elapsed_time(end) / 1000 / (reps * replays)
 
 
-def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> dict[str, list[int]]:
+def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
     import torch
 
     from jitney.worker import triton_skinny
 
-    best: dict[str, list[int]] = {}
-    rows_table = []
+    rows_table: list[dict[str, Any]] = []
+    report["skinny_rows_table"] = rows_table
     seen: set[tuple[int, int]] = set()
     for shape in shapes:
         for name, (n, k) in linear_shapes(shape).items():
@@ -123,7 +122,6 @@ def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> 
                 results.append((sec, cand))
             results.sort()
             sec, cand = results[0]
-            best[f"{n}x{k}"] = list(cand)
             triton_skinny.CONFIGS[(n, k)] = triton_skinny.SkinnyConfig(*cand)
             log(f"   skinny {shape} {name} {n}x{k}: best {cand} {sec * 1e6:.1f} us ({nbytes / sec / 1e9:.0f} GB/s), "
                 f"cuBLAS {cublas1 * 1e6:.1f} us ({nbytes / cublas1 / 1e9:.0f} GB/s)")
@@ -139,52 +137,9 @@ def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> 
                 rows_table.append({"shape": shape, "layer": name, "n": n, "k": k, "rows": m, "skinny_s": sk,
                                    "cublas_s": cb, "gbps_skinny": nbytes / sk / 1e9, "gbps_cublas": nbytes / cb / 1e9})
             del weights
+            triton_skinny.CONFIGS.pop((n, k), None)
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    report["skinny_rows_table"] = rows_table
-    return best
-
-
-EDGES = {"qkv": ["none", "norm", "norm_late", "scale"], "o": ["none", "add"], "gate_up": ["none", "norm", "norm_late"],
-         "down": ["none", "silu_mul", "silu_mul+add"], "head": ["none", "norm", "norm_late"]}
-
-
-def sweep_edges(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
-    """What each fused edge (prologue, residual add) costs a skinny product, at 1 and 16 rows."""
-    import torch
-
-    from jitney.worker import triton_skinny
-
-    rows = []
-    for shape in shapes:
-        for name, (n, k) in linear_shapes(shape).items():
-            if time.monotonic() > deadline:
-                break
-            copies = max(2, min(32, math.ceil(L2_BYTES / (n * k * 2))))
-            weights = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            nw = torch.randn(k, device=DEVICE, dtype=torch.bfloat16)
-            for m in (1, 16):
-                x = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16)
-                out = torch.zeros(m, n, device=DEVICE, dtype=torch.bfloat16)
-                cublas = graph_seconds(lambda i: torch.matmul(x[:, :k], weights[i % copies].T, out=out))
-                entry = {"shape": shape, "layer": name, "n": n, "k": k, "rows": m, "cublas_s": cublas}
-                for edge in EDGES[name]:
-                    prologue, add = edge.removesuffix("+add"), edge.endswith("add")
-                    prologue = "none" if prologue == "add" else prologue
-                    xin = x if prologue == "silu_mul" else x[:, :k]
-                    norm = nw if prologue in ("norm", "norm_late", "scale") else None
-                    try:
-                        entry[edge] = graph_seconds(lambda i: triton_skinny.skinny_linear(
-                            xin, weights[i % copies], prologue=prologue, norm_weight=norm, eps=1e-5, out=out,
-                            add=add, check=False))
-                    except Exception as exc:  # noqa: BLE001
-                        log(f"   edge {shape} {name} {edge}: {type(exc).__name__}: {str(exc)[:160]}")
-                rows.append(entry)
-                log(f"   edges {shape} {name} {n}x{k} rows {m}: cuBLAS {cublas * 1e6:.1f} us; " + ", ".join(
-                    f"{e} {entry[e] * 1e6:.1f}" for e in EDGES[name] if e in entry))
-            del weights
-            torch.cuda.empty_cache()
-    report["edges"] = rows
 
 
 def paged_inputs(tokens: int, nh: int, kvh: int, d: int, block_size: int = 16) -> dict[str, Any]:
@@ -200,7 +155,7 @@ def paged_inputs(tokens: int, nh: int, kvh: int, d: int, block_size: int = 16) -
             "table": torch.arange(blocks, device=DEVICE, dtype=torch.int32)[None, :]}
 
 
-def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) -> dict[str, Any]:
+def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
     import torch
 
     from jitney.worker import triton_attention as ta
@@ -208,7 +163,6 @@ def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) 
     layouts = sorted({(SHAPES[s]["num_attention_heads"], SHAPES[s]["num_key_value_heads"],
                        SHAPES[s]["hidden_size"] // SHAPES[s]["num_attention_heads"]) for s in shapes}, reverse=True)
     tokens = PREFILL_TOKENS
-    totals: dict[tuple, float] = {}
     rows = []
     defaults = (ta.PREFILL_ROWS, ta.BLOCK_N, dict(ta.LAUNCH))
     for nh, kvh, d in layouts:
@@ -226,7 +180,6 @@ def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) 
             except Exception as exc:  # noqa: BLE001
                 log(f"   attention {nh}/{kvh} {cand}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            totals[cand] = totals.get(cand, 0.0) + sec
             rows.append({"heads": [nh, kvh, d], "config": list(cand), "s": sec, "tflops": flops / sec / 1e12})
         ours = [r for r in rows if r["heads"] == [nh, kvh, d]]
         if ours:
@@ -234,16 +187,9 @@ def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) 
             log(f"   attention prefill {tokens} ({nh}/{kvh}): best {fastest['config']} {fastest['s'] * 1e6:.0f} us "
                 f"({fastest['tflops']:.0f} TFLOP/s)")
         del t
+    report["attention_prefill"] = rows
     ta.PREFILL_ROWS, ta.BLOCK_N = defaults[0], defaults[1]
     ta.LAUNCH.update(defaults[2])
-    report["attention_prefill"] = rows
-    # Chosen: the fastest summed over the layouts (every candidate ran on every layout).
-    complete = {c: s for c, s in totals.items() if sum(r["config"] == list(c) for r in rows) == len(layouts)}
-    choice: dict[str, Any] = {}
-    if complete:
-        won = min(complete, key=complete.__getitem__)
-        choice = {"prefill_rows": won[0], "block_n": won[1], "prefill": [won[2], won[3]]}
-        ta.PREFILL_ROWS, ta.BLOCK_N, ta.LAUNCH["prefill"] = won[0], won[1], (won[2], won[3])
     # Decode launches: 64 sequences of 128 keys.
     nh, kvh, d = layouts[0]
     seqs, ctx = 64, 128
@@ -263,75 +209,63 @@ def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) 
         dec.append({"config": list(launch), "s": sec})
         log(f"   attention decode {seqs}x{ctx} ({nh}/{kvh}) {launch}: {sec * 1e6:.1f} us")
     report["attention_decode"] = dec
-    fastest = min(dec, key=lambda r: r["s"])
-    choice["decode"] = fastest["config"]
-    ta.LAUNCH["decode"] = tuple(fastest["config"])
-    return choice
+    ta.LAUNCH.update(defaults[2])
 
 
-def decode_graphs(shapes: list[str], models: dict[str, Path], tuned: dict[str, Any], report: dict[str, Any],
-                  deadline: float) -> int:
-    """Graph replay per captured size, skinny off and on; the largest size where on wins everywhere."""
-    import torch
+WIN = 0.97   # a skinny launch must take at most this fraction of cuBLAS's time to be used
 
-    from jitney.engine.v1 import engine_pb2 as e
-    from jitney.worker import tuned_configs
-    from jitney.worker.config import WorkerConfig
-    from jitney.worker.runner import ModelRunner
 
-    sizes = [1, 2, 4, 8, 16, 32, 48, 64]
-    per_seq = 10   # blocks of 16: 160 positions, the 128 of context and every decode step below
-    table: list[dict[str, Any]] = []
-    for shape in shapes:
-        for rows in (0, 64):
-            if time.monotonic() > deadline:
-                log(f"   decode graphs {shape} skinny {rows}: skipped (budget)")
-                continue
-            tuned_configs.apply_data(tuned)
-            config = WorkerConfig(model=str(models[shape]), device=DEVICE,
-                                  dtype="bfloat16" if DEVICE == "cuda" else "float32",
-                                  num_blocks=64 * per_seq + 16, max_num_seqs=64, max_num_batched_tokens=128,
-                                  skinny_rows=rows, attention_backend="triton", batch_invariant=False)
-            runner = ModelRunner(config)
-            for plan in prefill_plans(64, 128, per_seq, 128):
-                runner.execute(plan)
-            positions = dict.fromkeys(range(1, 65), 128)
-            counter = iter(range(100, 10_000))
+def choose(report: dict[str, Any]) -> dict[str, Any]:
+    """The tuned file's contents from a report's measurements.
 
-            def decode(seq_ids: range) -> float:
-                plan = e.StepPlan(step_id=next(counter))
-                for sid in seq_ids:
-                    plan.chunks.add(seq_id=sid, start_position=positions[sid], token_ids=[5], sample=True)
-                started = time.perf_counter()
-                runner.execute(plan)
-                for sid in seq_ids:
-                    positions[sid] += 1
-                return time.perf_counter() - started
+    skinny: per weight shape, its fastest candidate at one row, kept up to the most rows
+    at which it beat cuBLAS (by ``WIN``) at that and every smaller measured row count;
+    shapes where it never did are left to cuBLAS. attention: per head layout, its fastest
+    prefill launch; "*" (other layouts): the fastest summed over the layouts; decode: the
+    fastest decode launch, for all.
+    """
+    tuned: dict[str, Any] = {"device": report["card"]}
+    skinny: dict[str, list[int]] = {}
+    for entry in report.get("skinny_candidates", []):
+        if not entry["candidates"]:
+            continue
+        best = min(entry["candidates"], key=lambda c: c["s"])["config"]
+        table = sorted((r for r in report.get("skinny_rows_table", []) if (r["n"], r["k"]) == (entry["n"], entry["k"])),
+                       key=lambda r: r["rows"])
+        max_rows = 0
+        for r in table:
+            if r["skinny_s"] > WIN * r["cublas_s"]:
+                break
+            max_rows = r["rows"]
+        if max_rows:
+            skinny[f"{entry['n']}x{entry['k']}"] = [*best, max_rows]
+    if "skinny_candidates" in report:
+        tuned["skinny"] = skinny
+        tuned["skinny_rows"] = max((v[-1] for v in skinny.values()), default=0)
+    prefill = report.get("attention_prefill", [])
+    decode = min(report.get("attention_decode", []), key=lambda r: r["s"], default=None)
+    if prefill:
+        layouts = sorted({tuple(r["heads"]) for r in prefill}, reverse=True)
+        totals: dict[tuple[int, ...], list[float]] = {}
+        attention: dict[str, Any] = {}
+        for r in prefill:
+            totals.setdefault(tuple(r["config"]), []).append(r["s"])
+        for heads in layouts:
+            ours = min((r for r in prefill if tuple(r["heads"]) == heads), key=lambda r: r["s"])
+            attention[f"{heads[0]}/{heads[1]}"] = _attention_entry(ours["config"], decode)
+        complete = {c: float(sum(t)) for c, t in totals.items() if len(t) == len(layouts)}
+        if complete:
+            fastest = min(complete.items(), key=lambda item: item[1])[0]
+            attention["*"] = _attention_entry(list(fastest), decode)
+        tuned["attention"] = attention
+    return tuned
 
-            for size in sizes:
-                decode(range(1, size + 1))   # stages a real step of this size; the graph then replays it alone
-                graph_s = runner.graphs.replay_seconds(size) if runner.graphs is not None else None
-                table.append({"shape": shape, "skinny_rows": rows, "size": size, "graph_s": graph_s})
-            times = [decode(range(1, 2)) for _ in range(12)][3:]
-            report.setdefault("decode_execute_b1", []).append(
-                {"shape": shape, "skinny_rows": rows, "execute_s_median": statistics.median(times)})
-            log(f"   decode {shape} skinny_rows {rows}: graph ms by size " + ", ".join(
-                f"{t['size']}: {t['graph_s'] * 1e3:.3f}" for t in table
-                if t["shape"] == shape and t["skinny_rows"] == rows and t["graph_s"])
-                + f"; execute() batch 1 {statistics.median(times) * 1e3:.3f} ms")
-            del runner
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-    report["decode_graphs"] = table
-    best = 0
-    for size in sizes:
-        pairs = [(t, u) for t in table for u in table
-                 if t["size"] == u["size"] == size and t["shape"] == u["shape"]
-                 and t["skinny_rows"] == 0 and u["skinny_rows"] == 64 and t["graph_s"] and u["graph_s"]]
-        if not pairs or any(u["graph_s"] >= t["graph_s"] for t, u in pairs):
-            break
-        best = size
-    return best
+
+def _attention_entry(config: list[int], decode: dict[str, Any] | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"prefill_rows": config[0], "block_n": config[1], "prefill": config[2:4]}
+    if decode is not None:
+        entry["decode"] = decode["config"]
+    return entry
 
 
 def render(report: dict[str, Any]) -> str:
@@ -343,11 +277,6 @@ def render(report: dict[str, Any]) -> str:
     for r in report.get("skinny_rows_table", []):
         lines.append(f"| {r['shape']} | {r['layer']} | {r['n']}x{r['k']} | {r['rows']} | {r['skinny_s'] * 1e6:.1f} | "
                      f"{r['cublas_s'] * 1e6:.1f} | {r['gbps_skinny']:.0f} | {r['gbps_cublas']:.0f} |")
-    lines += ["", "## Skinny products with their edges (device us per call)", "",
-              "| shape | layer | rows | cuBLAS | edges |", "|---|---|---|---|---|"]
-    for r in report.get("edges", []):
-        edges = ", ".join(f"{e} {r[e] * 1e6:.1f}" for e in EDGES[r["layer"]] if e in r)
-        lines.append(f"| {r['shape']} | {r['layer']} | {r['rows']} | {r['cublas_s'] * 1e6:.1f} | {edges} |")
     lines += ["", "## Attention, one 2048-token prefill (fastest five per head layout)", "",
               "| heads | rows, keys/trip, warps, stages | us | TFLOP/s |", "|---|---|---|---|"]
     for heads in sorted({tuple(r["heads"]) for r in report.get("attention_prefill", [])}, reverse=True):
@@ -361,17 +290,6 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "## Decode attention, 64 sequences x 128 keys", "", "| warps, stages | us |", "|---|---|"]
     for r in report.get("attention_decode", []):
         lines.append(f"| {r['config']} | {r['s'] * 1e6:.1f} |")
-    lines += ["", "## Decode graph replay (ms) by captured size: skinny_rows 0 / 64", "",
-              "| shape | size | cuBLAS + fused ops | skinny |", "|---|---|---|---|"]
-    graphs = report.get("decode_graphs", [])
-    for t in graphs:
-        if t["skinny_rows"] == 0 and t["graph_s"]:
-            u = [v for v in graphs if v["shape"] == t["shape"] and v["size"] == t["size"] and v["skinny_rows"] == 64]
-            on = f"{u[0]['graph_s'] * 1e3:.3f}" if u and u[0]["graph_s"] else "n/a"
-            lines.append(f"| {t['shape']} | {t['size']} | {t['graph_s'] * 1e3:.3f} | {on} |")
-    for r in report.get("decode_execute_b1", []):
-        lines.append(f"\n`execute()` batch 1, {r['shape']}, skinny_rows {r['skinny_rows']}: "
-                     f"{r['execute_s_median'] * 1e3:.3f} ms")
     lines += ["", "## Chosen", "", "```json", json.dumps(report.get("tuned", {}), indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -384,10 +302,22 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--tuned-dir", type=Path, required=True, help="where the card's tuned JSON file is written")
-    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "edges", "attention", "decode"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "attention"])
     p.add_argument("--smoke", action="store_true",
                    help="CPU, under TRITON_INTERPRET=1: the plumbing with two candidates each (tests)")
+    p.add_argument("--from-json", type=Path, default=None, metavar="REPORT",
+                   help="measure nothing: write the tuned file (and --out) from an earlier run's --json")
     args = p.parse_args()
+    if args.from_json is not None:
+        from jitney.worker import tuned_configs
+
+        saved = json.loads(args.from_json.read_text())
+        saved["tuned"] = choose(saved)
+        args.tuned_dir.mkdir(parents=True, exist_ok=True)
+        (args.tuned_dir / tuned_configs.file_name(saved["card"])).write_text(json.dumps(saved["tuned"], indent=1) + "\n")
+        args.out.write_text(render(saved))
+        args.json.write_text(json.dumps(saved, indent=1))
+        return 0
     if args.smoke:
         global DEVICE, SKINNY_CANDIDATES, ATTENTION_CANDIDATES, DECODE_ATTENTION_CANDIDATES, ROWS, PREFILL_TOKENS
         DEVICE, PREFILL_TOKENS = "cpu", 64
@@ -407,11 +337,10 @@ def main() -> int:
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke)"
     report: dict[str, Any] = {"card": card, "torch": torch.__version__, "triton": triton.__version__,
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    tuned: dict[str, Any] = {"device": card}
 
     def save() -> None:
         report["elapsed_s"] = time.monotonic() - started
-        report["tuned"] = tuned
+        tuned = report["tuned"] = choose(report)
         args.tuned_dir.mkdir(parents=True, exist_ok=True)
         (args.tuned_dir / tuned_configs.file_name(card)).write_text(json.dumps(tuned, indent=1) + "\n")
         args.json.write_text(json.dumps(report, indent=1))
@@ -420,33 +349,18 @@ def main() -> int:
     if "skinny" not in args.skip:
         log("== skinny linears")
         try:
-            tuned["skinny"] = sweep_skinny(args.shapes, report, started + 0.4 * args.budget_s)
+            sweep_skinny(args.shapes, report, started + 0.4 * args.budget_s)
         except Exception as exc:  # noqa: BLE001
             log(f"!! skinny: {type(exc).__name__}: {exc}")
-        save()
-    if "edges" not in args.skip:
-        log("== skinny edges")
-        try:
-            sweep_edges(args.shapes, report, started + 0.55 * args.budget_s)
-        except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
-            log(f"!! edges: {type(exc).__name__}: {exc}")
         save()
     if "attention" not in args.skip:
         log("== attention")
         try:
-            tuned["attention"] = sweep_attention(args.shapes, report, started + 0.75 * args.budget_s)
+            sweep_attention(args.shapes, report, started + 0.75 * args.budget_s)
         except Exception as exc:  # noqa: BLE001
             log(f"!! attention: {type(exc).__name__}: {exc}")
         save()
-    if "decode" not in args.skip:
-        log("== decode graphs, skinny off / on")
-        with tempfile.TemporaryDirectory() as tmp:
-            bench_args = argparse.Namespace(device=DEVICE, tokenizer=args.tokenizer)
-            tok = tokenizer_dir(bench_args, Path(tmp))
-            models = {s: make_checkpoint(s, Path(tmp) / s, tok, bench_args) for s in args.shapes}
-            tuned["skinny_rows"] = decode_graphs(args.shapes, models, tuned, report, deadline)
-        save()
-    log(f"tuned: {json.dumps(tuned)}")
+    log(f"tuned: {json.dumps(report['tuned'])}")
     return 0
 
 

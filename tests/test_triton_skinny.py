@@ -1,25 +1,28 @@
-"""The skinny linear kernel (``worker/triton_skinny.py``) against torch references.
+"""The skinny linear kernel (``worker/triton_skinny.py``) against a torch reference,
+its module swap, and the tuned files that choose where it runs.
 
 Without CUDA it runs under the Triton interpreter on CPU tensors; with CUDA
-the same cases run compiled. The references follow the unfused path's
-rounding: ``F.linear`` (float32 accumulation, rounded once after the
-bias), RMSNorm rounded twice, SiLU·mul rounded once, the residual add
-rounded once. Only the order of the sums differs, so results agree to
-the dtype's rounding.
+the same cases run compiled. The reference is ``F.linear``'s rounding
+(float32 accumulation, rounded once after the bias); only the order of the
+sums differs, so results agree to the dtype's rounding.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from triton_support import DEVICE, compile_for_gpus, interpret_without_cuda, skip_unless_interpreted
 
 triton = interpret_without_cuda()
 
-from jitney.worker import triton_skinny  # noqa: E402
-from jitney.worker.triton_skinny import MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
+from jitney.worker import triton_attention, triton_skinny, tuned_configs  # noqa: E402
+from jitney.worker.triton_skinny import (MAX_ROWS, SkinnyConfig, SkinnyLinear, skinny_config,  # noqa: E402
+                                         skinny_linear, use_skinny_linears)
 
 skip_unless_interpreted(triton)
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 2e-2)}
@@ -42,17 +45,6 @@ def ref_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return out.to(w.dtype)
 
 
-def ref_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
-    return (weight.float() * y.float()).to(x.dtype)
-
-
-def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    g, u = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(g) * u).to(gate_up.dtype)
-
-
 def dev(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(DEVICE, copy=True)
 
@@ -65,52 +57,6 @@ def test_plain_product_with_and_without_bias(dtype: torch.dtype, m: int) -> None
     x, w, b = rand(g, m, k, dtype=dtype), rand(g, n, k, dtype=dtype, scale=0.1), rand(g, n, dtype=dtype)
     close(skinny_linear(dev(x), dev(w)), ref_linear(x, w, None))
     close(skinny_linear(dev(x), dev(w), dev(b)), ref_linear(x, w, b))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_prologue_is_rms_norm_then_product(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(1)
-    m, n, k = 5, 48, 96
-    x = rand(g, m, k, dtype=dtype, scale=3.0)
-    w, nw = rand(g, n, k, dtype=dtype, scale=0.1), rand(g, k, dtype=dtype)
-    got = skinny_linear(dev(x), dev(w), prologue="norm", norm_weight=dev(nw), eps=EPS)
-    close(got, ref_linear(ref_norm(x, nw), w, None))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_prologue_and_residual_add(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(2)
-    m, n, k = 4, 32, 80
-    gate_up = rand(g, m, 2 * k, dtype=dtype)
-    w, b = rand(g, n, k, dtype=dtype, scale=0.1), rand(g, n, dtype=dtype)
-    residual = rand(g, m, n, dtype=dtype)
-    out = dev(residual)
-    got = skinny_linear(dev(gate_up), dev(w), dev(b), prologue="silu_mul", out=out, add=True)
-    assert got is out   # in place
-    product = ref_linear(ref_silu_mul(gate_up), w, b)
-    close(got, (product.float() + residual.float()).to(dtype))
-
-
-def test_rows_past_m_and_other_rows_untouched() -> None:
-    """A residual add writes only its M rows' N columns: a view into a wider buffer keeps the rest."""
-    g = torch.Generator().manual_seed(3)
-    x, w = rand(g, 3, 24, dtype=torch.float32), rand(g, 20, 24, dtype=torch.float32)
-    buffer = dev(torch.full((5, 30), 7.0))
-    skinny_linear(dev(x), dev(w), out=buffer[:3, :20], add=True)
-    host = buffer.cpu()
-    close(host[:3, :20], ref_linear(x, w, None) + 7.0)
-    assert (host[3:] == 7.0).all() and (host[:, 20:] == 7.0).all()
-
-
-def test_a_row_does_not_depend_on_its_neighbours_within_a_launch() -> None:
-    """Row i of a 9-row launch equals the 1-row launch of row i: one block of rows, one order of sums."""
-    g = torch.Generator().manual_seed(4)
-    x, w = rand(g, 9, 64, dtype=torch.bfloat16), rand(g, 32, 64, dtype=torch.bfloat16, scale=0.1)
-    nw = rand(g, 64, dtype=torch.bfloat16)
-    batch = skinny_linear(dev(x), dev(w), prologue="norm", norm_weight=dev(nw), eps=EPS).cpu()
-    for i in (0, 4, 8):
-        alone = skinny_linear(dev(x[i:i + 1]), dev(w), prologue="norm", norm_weight=dev(nw), eps=EPS).cpu()
-        assert torch.equal(alone[0], batch[i])
 
 
 def test_configured_launch_shapes_give_the_same_product() -> None:
@@ -129,15 +75,10 @@ def test_configured_launch_shapes_give_the_same_product() -> None:
 @pytest.mark.parametrize("case, message", [
     ("rows", "at most"),
     ("width", "x must be \\(M, 16\\)"),
-    ("silu_width", "x must be \\(M, 32\\)"),
     ("dtype", "x is torch.float16"),
-    ("norm_missing", "norm_weight is needed"),
-    ("norm_extra", "norm_weight is needed"),
-    ("add_without_out", "out is needed"),
     ("out_shape", "out must be"),
-    ("out_is_x", "must not be x"),
-    ("prologue", "prologue must be"),
     ("bias", "bias must be"),
+    ("weight", "contiguous \\(N, K\\)"),
 ])
 def test_bad_arguments_are_refused(case: str, message: str) -> None:
     w = torch.zeros(8, 16, device=DEVICE)
@@ -147,50 +88,91 @@ def test_bad_arguments_are_refused(case: str, message: str) -> None:
         x = torch.zeros(MAX_ROWS + 1, 16, device=DEVICE)
     elif case == "width":
         x = torch.zeros(2, 12, device=DEVICE)
-    elif case == "silu_width":
-        kwargs["prologue"] = "silu_mul"
     elif case == "dtype":
         x = x.half()
-    elif case == "norm_missing":
-        kwargs["prologue"] = "norm"
-    elif case == "norm_extra":
-        kwargs["norm_weight"] = torch.ones(16, device=DEVICE)
-    elif case == "add_without_out":
-        kwargs["add"] = True
     elif case == "out_shape":
         kwargs["out"] = torch.zeros(2, 9, device=DEVICE)
-    elif case == "out_is_x":
-        x = torch.zeros(2, 16, device=DEVICE)
-        w = torch.zeros(16, 16, device=DEVICE)
-        kwargs.update(out=x, add=True)
-    elif case == "prologue":
-        kwargs["prologue"] = "gelu"
     elif case == "bias":
         kwargs["bias"] = torch.zeros(7, device=DEVICE)
+    elif case == "weight":
+        w = torch.zeros(16, 8, device=DEVICE).T
     with pytest.raises(ValueError, match=message):
         skinny_linear(x, w, **kwargs)
 
 
+def test_swapped_linears_run_skinny_up_to_their_rows_and_torch_above() -> None:
+    """Only shapes in CONFIGS are swapped, each up to min(max_rows, its own max_rows); more rows take F.linear."""
+    g = torch.Generator().manual_seed(7)
+    net = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24, bias=False), nn.Linear(24, 8)).to(DEVICE)
+    try:
+        triton_skinny.CONFIGS[(40, 24)] = SkinnyConfig(16, 32, 4, 2, 4)
+        triton_skinny.CONFIGS[(24, 40)] = SkinnyConfig(16, 32, 4, 2, 64)
+        assert sorted(use_skinny_linears(net, max_rows=8)) == [(24, 40), (40, 24)]
+    finally:
+        triton_skinny.CONFIGS.clear()
+    assert [type(m).__name__ for m in net] == ["SkinnyLinear", "SkinnyLinear", "Linear"]
+    assert (net[0].max_rows, net[1].max_rows) == (4, 8)
+    calls = []
+    kernel = triton_skinny.skinny_linear
+    triton_skinny.skinny_linear = lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k)  # type: ignore[assignment]
+    try:
+        for m in (1, 4, 5, 9):
+            x = rand(g, m, 24, dtype=torch.float32)
+            want = ref_linear(ref_linear(x, net[0].weight.cpu(), net[0].bias.cpu()), net[1].weight.cpu(), None)
+            close(net[1](net[0](dev(x))), want)
+    finally:
+        triton_skinny.skinny_linear = kernel  # type: ignore[assignment]
+    assert calls == [1, 1, 4, 4, 5]   # layer 0 up to 4 rows, layer 1 up to 8
+
+
+def test_tuned_file_sets_the_launch_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A card's file: skinny configs by shape, attention by head layout ("*" for others), skinny_rows;
+    a damaged file changes nothing."""
+    data = {"device": "Card X", "skinny": {"960x576": [32, 128, 4, 3, 16]}, "skinny_rows": 16,
+            "attention": {"32/8": {"prefill_rows": 128, "block_n": 64, "prefill": [8, 2], "decode": [4, 2]},
+                          "*": {"prefill_rows": 64, "block_n": 32, "prefill": [4, None]}}}
+    saved = (dict(triton_skinny.CONFIGS), triton_attention.PREFILL_ROWS, triton_attention.BLOCK_N,
+             dict(triton_attention.LAUNCH))
+    try:
+        assert tuned_configs.apply_data(data, (32, 8)) == 16
+        assert triton_skinny.CONFIGS[(960, 576)] == SkinnyConfig(32, 128, 4, 3, 16)
+        assert (triton_attention.PREFILL_ROWS, triton_attention.BLOCK_N) == (128, 64)
+        assert triton_attention.LAUNCH == {"prefill": (8, 2), "decode": (4, 2)}
+        tuned_configs.apply_data(data, (9, 3))
+        assert (triton_attention.PREFILL_ROWS, triton_attention.BLOCK_N) == (64, 32)
+        assert triton_attention.LAUNCH["prefill"] == (4, None)
+        with pytest.raises(ValueError, match="out of"):
+            tuned_configs.apply_data({**data, "skinny_rows": 65}, (32, 8))
+        # found by card name, $JITNEY_TUNED_CONFIGS first
+        assert tuned_configs.file_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+        (tmp_path / "Card_X.json").write_text(json.dumps(data))
+        monkeypatch.setenv("JITNEY_TUNED_CONFIGS", str(tmp_path))
+        assert tuned_configs.find("Card X") == tmp_path / "Card_X.json"
+        assert tuned_configs.find("Card Y") is None
+    finally:
+        triton_skinny.CONFIGS.clear()
+        triton_skinny.CONFIGS.update(saved[0])
+        triton_attention.PREFILL_ROWS, triton_attention.BLOCK_N = saved[1], saved[2]
+        triton_attention.LAUNCH.clear()
+        triton_attention.LAUNCH.update(saved[3])
+
+
+def test_shipped_tuned_files_parse() -> None:
+    for path in sorted(tuned_configs.FOLDER.glob("*.json")):
+        data = json.loads(path.read_text())
+        assert tuned_configs.file_name(data["device"]) == path.name
+        for key, value in data.get("skinny", {}).items():
+            assert len(key.split("x")) == 2 and len(value) == 5 and 1 <= value[-1] <= MAX_ROWS
+
+
 def test_compiles_for_ampere_and_hopper() -> None:
-    """PTX for sm80 and sm90 in bf16 with every edge (the interpreter cannot check lowering)."""
+    """PTX for sm80 and sm90 in bf16, with and without a bias (the interpreter cannot check lowering)."""
     compile_for_gpus('''
 from jitney.worker.triton_skinny import _skinny_kernel
-types = ["*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32", "fp32"]
+types = ["*bf16", "*bf16", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
 for arch in (80, 90):
-    for prologue, add in ((0, False), (1, False), (2, True)):
-        build(_skinny_kernel, types, dict(PROLOGUE=prologue, ADD=add, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=16,
-                                          BLOCK_K=256, F32_DOT=False, SOFT_BF16=False), arch)
+    for bias in (False, True):
+        build(_skinny_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, F32_DOT=False,
+                                          SOFT_BF16=False), arch)
 print("compiled")
 ''')
-
-
-def test_measured_norm_variants_stay_close_to_the_norm() -> None:
-    """bench/gpu_kernels.py times "norm_late" (rows scaled after the product) against "norm": same
-    product to bf16 rounding; "scale" is the product of x times the norm weight."""
-    g = torch.Generator().manual_seed(6)
-    x = rand(g, 3, 64, dtype=torch.bfloat16, scale=2.0)
-    w, nw = rand(g, 24, 64, dtype=torch.bfloat16, scale=0.1), rand(g, 64, dtype=torch.bfloat16)
-    late = skinny_linear(dev(x), dev(w), prologue="norm_late", norm_weight=dev(nw), eps=EPS)
-    close(late, ref_linear(ref_norm(x, nw), w, None))
-    scaled = skinny_linear(dev(x), dev(w), prologue="scale", norm_weight=dev(nw))
-    close(scaled, ref_linear((x.float() * nw.float()).to(torch.bfloat16), w, None))

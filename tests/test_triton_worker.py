@@ -151,23 +151,37 @@ def test_attention_backend_flag() -> None:
 
 
 
-def test_skinny_steps_match_the_torch_backend(config: WorkerConfig, torch_run: list) -> None:
-    """Steps of up to 16 tokens through the skinny linears (norms, residual adds and SiLU folded in),
-    eagerly and from the (emulated) decode graphs, give the torch backend's tokens and logprobs."""
+def test_skinny_linears_match_the_torch_backend(config: WorkerConfig, torch_run: list) -> None:
+    """With a skinny config for every weight shape (as a card's tuned file gives), steps of up to
+    16 tokens run the skinny linears, eagerly and from the (emulated) decode graphs, and give the
+    torch backend's tokens and logprobs; larger steps run F.linear."""
+    from jitney.worker import triton_skinny
+
     skinny = replace(config, attention_backend="triton", batch_invariant=False, skinny_rows=16)
-    for graphs in (False, True):
-        runner = ModelRunner(skinny, capture_graphs=False)
-        assert runner.skinny_rows == 16
-        if graphs:
-            runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.batch, [1, 4], capture=DEVICE == "cuda")
-        rows = []
-        layer = runner.model.ops.skinny_layer
-        runner.model.ops.skinny_layer = lambda *a: rows.append(a[1].shape[0] if a[1] is not None else a[2].shape[0]) or layer(*a)  # type: ignore[method-assign]
-        assert_same_run(generate(runner), torch_run)
-        per_step = sorted(set(rows))
-        # step 0: 11 + 3 prompt tokens; step 1: a decode and 2 tokens; later: decodes (3, padded to 4 by a graph)
-        assert 14 in per_step and (4 in per_step if graphs else 3 in per_step)
-        assert 25 not in per_step   # the 23-token prompt's step ran the unfused layers
+    shapes = {tuple(m.weight.shape) for m in ModelRunner(skinny, capture_graphs=False).model.modules()
+              if isinstance(m, torch.nn.Linear)}
+    try:
+        triton_skinny.CONFIGS.update({shape: triton_skinny.SkinnyConfig(16, 32, 4, 2) for shape in shapes})
+        for graphs in (False, True):
+            runner = ModelRunner(skinny, capture_graphs=False)
+            swapped = [m for m in runner.model.modules() if isinstance(m, triton_skinny.SkinnyLinear)]
+            assert len(swapped) >= 4 * runner.model.config.num_layers and all(m.max_rows == 16 for m in swapped)
+            assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.modules())   # the head too
+            if graphs:
+                runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.batch, [1, 4],
+                                             capture=DEVICE == "cuda")
+            rows = []
+            kernel = triton_skinny.skinny_linear
+            triton_skinny.skinny_linear = lambda *a, **k: rows.append(a[0].shape[0]) or kernel(*a, **k)  # type: ignore[assignment]
+            try:
+                assert_same_run(generate(runner), torch_run)
+            finally:
+                triton_skinny.skinny_linear = kernel  # type: ignore[assignment]
+            # step 0: 11 + 3 prompt tokens; step 1: a decode and 2 tokens; later: decodes (3; 4 in a graph)
+            assert 14 in rows and (4 in rows if graphs else 3 in rows)
+            assert 25 not in rows   # the 23-token prompt's step ran F.linear
+    finally:
+        triton_skinny.CONFIGS.clear()
 
 
 def test_skinny_rows_default_and_refusals() -> None:

@@ -234,7 +234,8 @@ class InputBatch:
         lo, hi = split_seed(seed)
         self._ivalues[:, row] = (top_k, lo, hi)
         self._params_dirty = True
-        self._plain[row], self._filtered[row] = random_row_masks(*self._fvalues[:2, row], self._ivalues[0, row])
+        self._plain[row], self._filtered[row] = random_row_masks(self._fvalues[0, row], self._fvalues[1, row],
+                                                                   self._ivalues[0, row])
         self._params[row] = params
         self._penalised[row] = params.penalised
         self._extras[row] = params != NO_PROCESSORS
@@ -334,11 +335,11 @@ class InputBatch:
             processed=processed, uses_min_p=uses_min_p,
         )
 
-    def count_context(self, seq_id: int, token_ids: Sequence[int]) -> None:
+    def count_context(self, seq_id: int, token_ids: np.ndarray | Sequence[int]) -> None:
         """Count a penalised sequence's positions 0.. that it will not compute
         (a cached or shared prefix), as if a chunk had computed them."""
         row = self.rows[seq_id]
-        self._count_tokens([StepChunk(seq_id, 0, token_ids, False, 0)], np.array([row]))
+        self._count_tokens([StepChunk(seq_id, 0, np.asarray(token_ids, dtype=np.int64), False, 0)], np.array([row]))
 
     def _count_tokens(self, chunks: list[StepChunk], rows: np.ndarray) -> None:
         """Count the tokens of the step's penalised chunks into their rows

@@ -9,29 +9,19 @@ The model calls four operations between its matmuls:
 
 ``TorchLayerOps`` (the CPU path) is plain torch with the reference models'
 rounding. ``TritonLayerOps`` (with the Triton attention backend) runs each
-as one fused kernel (``triton_fused.py``), so a layer is 9 kernels:
+as one fused kernel (``triton_fused.py``), so a decode layer is 9 kernels:
 norm, qkv, rope+cache, attention, o_proj, norm, gate_up, silu_mul, down.
-A step of at most ``skinny_rows`` tokens (a decode of a few sequences)
-instead runs each layer as 6 (``skinny_layer``): the norms, the residual
-adds and SiLU·mul are folded into the edges of skinny linear kernels
-(``triton_skinny.py``) that stream the weights faster than cuBLAS's GEMV.
-Argument checks run for the first layer of a step only (``checking``);
+Its argument checks run for the first layer of a step only (``checking``);
 the other layers get the same shapes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from jitney.worker import cpu_kernels
-
 from jitney.worker.attention import AttentionBackend, AttentionMetadata
-
-if TYPE_CHECKING:
-    from jitney.worker.model import DecoderLayer, RMSNorm
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,19 +42,6 @@ class TorchLayerOps:
     """Plain torch: the CPU path (and the reference for the fused kernels)."""
 
     checking = True
-    skinny_rows = 0  # steps of at most this many tokens take ``skinny_layer`` (0: none)
-
-    def skinny(self, rows: int) -> bool:
-        """Whether ``rows`` token rows run through the skinny kernels."""
-        return 0 < rows <= self.skinny_rows
-
-    def skinny_layer(self, layer: DecoderLayer, x: torch.Tensor | None, residual: torch.Tensor | None,
-                     rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
-                     meta: AttentionMetadata, backend: AttentionBackend) -> tuple[None, torch.Tensor]:
-        raise NotImplementedError("skinny kernels run with the Triton ops only")
-
-    def norm_head(self, x: torch.Tensor, norm: RMSNorm, head_weight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("skinny kernels run with the Triton ops only")
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq  # (d/2,) float32
@@ -118,18 +95,11 @@ class InvariantCpuLayerOps(TorchLayerOps):
 class TritonLayerOps(TorchLayerOps):
     """One fused Triton kernel per operation (CUDA, or the interpreter in tests)."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, skinny_rows: int = 0) -> None:
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
         super().__init__(inv_freq)
         from jitney.worker import triton_fused
 
         self.kernels = triton_fused
-        self.skinny_rows = skinny_rows
-        if skinny_rows:
-            from jitney.worker import triton_skinny
-
-            if skinny_rows > triton_skinny.MAX_ROWS:
-                raise ValueError(f"skinny_rows must be at most {triton_skinny.MAX_ROWS}, got {skinny_rows}")
-            self.skinny_linear = triton_skinny.skinny_linear
         freqs = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()  # (max_positions, d) float32
 
@@ -155,37 +125,3 @@ class TritonLayerOps(TorchLayerOps):
         self.kernels.rope_write_kv(qkv, positions, self.cos_sin, kv[0], kv[1], meta.slot_mapping, nh, kvh, d,
                                    check=self.checking)
         return qkv[:, : nh * d].view(qkv.shape[0], nh, d)  # q, rotated in place
-
-    def skinny_layer(self, layer: DecoderLayer, x: torch.Tensor | None, residual: torch.Tensor | None,
-                     rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
-                     meta: AttentionMetadata, backend: AttentionBackend) -> tuple[None, torch.Tensor]:
-        """``layer`` on a step of few tokens in six kernels; the residual stream is updated in place.
-
-        In: ``x`` = the embeddings with ``residual`` None (layer 0), or ``x`` None and
-        ``residual`` = the stream (a skinny layer before). Out: (None, the stream).
-        """
-        attn, mlp = layer.self_attn, layer.mlp
-        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        linear, check = self.skinny_linear, self.checking
-        if residual is None:
-            assert x is not None
-            residual = x  # the embeddings: a tensor of this step's own, the stream from here on
-        elif x is not None:
-            residual = x + residual
-        qkv = linear(residual, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="norm",
-                     norm_weight=norm1.weight, eps=norm1.eps, check=check)
-        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        q = self.rope_and_cache(qkv, rope, kv, meta, backend, heads)
-        out = backend.attend(q, kv[0], kv[1], meta, attn.scale)
-        linear(out.reshape(residual.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias, out=residual, add=True,
-               check=check)
-        gate_up = linear(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="norm",
-                         norm_weight=norm2.weight, eps=norm2.eps, check=check)
-        linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul", out=residual, add=True,
-               check=check)
-        return None, residual
-
-    def norm_head(self, x: torch.Tensor, norm: RMSNorm, head_weight: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of ``x (S, hidden)``: the final norm folded into a skinny head."""
-        return self.skinny_linear(x, head_weight, prologue="norm", norm_weight=norm.weight, eps=norm.eps,
-                                  check=self.checking).float()

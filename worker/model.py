@@ -148,9 +148,6 @@ class DecoderLayer(nn.Module):
 
         # layer in:  x = previous MLP output (or the embeddings), residual = stream so far (None at layer 0)
         # layer out: x = this MLP's output,                    residual = stream before that output
-
-    A step of few tokens takes ``ops.skinny_layer``, which adds the MLP's output
-    into the stream itself and hands on ``x`` None.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -162,19 +159,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | None,
+        x: torch.Tensor,
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, ...],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: TorchLayerOps,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        stream = x if x is not None else residual
-        assert stream is not None
-        if ops.skinny(stream.shape[0]):
-            return ops.skinny_layer(self, x, residual, rope, kv, meta, backend)
-        assert x is not None, "only a skinny layer hands on no output"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             h, residual = ops.rms_norm(x, norm1.weight, norm1.eps), x
@@ -224,26 +216,24 @@ class CausalLM(nn.Module):
         Writes the tokens' K/V into ``kv_cache`` at ``meta.slot_mapping``.
         """
         meta = self.backend.prepare(meta)  # once per step, for every layer
-        embedded = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.ops.rope_inputs(positions, embedded.dtype)
-        x: torch.Tensor | None = embedded
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.ops.rope_inputs(positions, x.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             self.ops.checking = self.backend.checking = i == 0  # later layers have the same shapes
             x, residual = layer(x, residual, rope, kv_cache.layer(i), meta, self.backend, self.ops)
         self.ops.checking = self.backend.checking = True
         assert residual is not None
-        return residual if x is None else x + residual
+        return x + residual
 
-    def use_backend(self, backend: AttentionBackend, max_positions: int, skinny_rows: int = 0) -> None:
-        """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops
-        (and run steps of at most ``skinny_rows`` tokens through the skinny kernels);
+    def use_backend(self, backend: AttentionBackend, max_positions: int) -> None:
+        """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops;
         with the CPU's invariant one, use its SiLU."""
         self.backend = backend
         if backend.graph_safe:
             from jitney.worker.layer_ops import TritonLayerOps
 
-            self.ops = TritonLayerOps(self.ops.inv_freq, max_positions, skinny_rows)
+            self.ops = TritonLayerOps(self.ops.inv_freq, max_positions)
         elif isinstance(backend, InvariantCpuAttention):
             self.ops = InvariantCpuLayerOps(self.ops.inv_freq)
         else:
@@ -251,9 +241,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
-        if self.ops.skinny(sample_indices.shape[0]) and isinstance(self.lm_head, nn.Linear | None):
-            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return self.ops.norm_head(hidden[sample_indices], self.model.norm, head)
         x = self.model.norm(hidden[sample_indices])
         if self.lm_head is None:
             return F.linear(x, self.model.embed_tokens.weight).float()

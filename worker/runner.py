@@ -81,7 +81,7 @@ class _PromptChunk:
     seq_id: int
     plan_index: int
     start: int
-    tokens: list[int]
+    tokens: np.ndarray | list[int]
     flat_start: int          # index of the chunk's first token in the step's flattened tokens
     num_logits: int
     first_scored: int
@@ -111,12 +111,19 @@ class ModelRunner:
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
                                             batch_invariant=self.batch_invariant, weights_cache=cache)
         loaded = time.perf_counter()
-        _, tuned_rows = tuned_configs.apply(self.device)   # the card's measured launch choices, if any
-        backend = make_attention_backend(config.attention_backend, self.device, batch_invariant=self.batch_invariant)
-        self.skinny_rows = skinny_rows(config, self.device, backend.graph_safe, self.batch_invariant, tuned_rows)
-        self.model.use_backend(backend, self.facts.context_length, self.skinny_rows)
-        max_tokens, max_seqs = step_defaults(config, self.device)
         cfg = self.model.config
+        # The card's measured launch choices, if any, before any kernel is built or tile map sized.
+        _, tuned_rows = tuned_configs.apply(self.device, (cfg.num_heads, cfg.num_kv_heads))
+        backend = make_attention_backend(config.attention_backend, self.device, batch_invariant=self.batch_invariant)
+        self.model.use_backend(backend, self.facts.context_length)
+        self.skinny_rows = skinny_rows(config, self.device, backend.graph_safe, self.batch_invariant, tuned_rows)
+        if self.skinny_rows:
+            from jitney.worker.triton_skinny import use_skinny_linears
+
+            swapped = use_skinny_linears(self.model, self.skinny_rows)
+            logger.info("skinny linears (steps of <= %d tokens): %s", self.skinny_rows,
+                        ", ".join(f"{n}x{k}" for n, k in sorted(set(swapped))) or "none measured faster here")
+        max_tokens, max_seqs = step_defaults(config, self.device)
         geometry = CacheGeometry(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         reserve = profile_activations(self.model, geometry, self.device, max_tokens, max_seqs,
                                       self.facts.context_length)

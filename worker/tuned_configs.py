@@ -8,10 +8,10 @@ device). The worker applies the file of its card before it builds the
 model's kernels; a card without a file runs the built-in guesses.
 
     {"device": "NVIDIA H200",
-     "skinny": {"3072x2048": [block_n, block_k, warps, stages], ...},   # by N x K
-     "skinny_rows": 16,                                                 # the default of --skinny-rows
-     "attention": {"prefill_rows": 64, "block_n": 64,
-                   "prefill": [warps, stages], "decode": [warps, stages]}}   # null: Triton's default
+     "skinny": {"960x576": [block_n, block_k, warps, stages, max_rows], ...},   # N x K: where it beat cuBLAS
+     "skinny_rows": 16,                                                        # the default of --skinny-rows
+     "attention": {"32/8": {"prefill_rows": 128, "block_n": 64,                # by query / kv heads; "*": others
+                            "prefill": [warps, stages], "decode": [warps, stages]}}}   # null: Triton's default
 
 ``$JITNEY_TUNED_CONFIGS`` names another folder to read (the sweep's own
 output, before it is committed).
@@ -48,8 +48,9 @@ def find(device_name: str) -> Path | None:
     return None
 
 
-def apply(device: torch.device) -> tuple[Path | None, int | None]:
-    """Apply the tuned launch choices of ``device``'s card (CUDA only).
+def apply(device: torch.device, heads: tuple[int, int]) -> tuple[Path | None, int | None]:
+    """Apply the tuned launch choices of ``device``'s card (CUDA only) for a model of ``heads``
+    (query heads, kv heads).
 
     Returns (the file applied or None, its ``skinny_rows`` or None). A file
     that does not parse is reported and ignored: the built-in choices run.
@@ -61,7 +62,7 @@ def apply(device: torch.device) -> tuple[Path | None, int | None]:
         return None, None
     try:
         data = json.loads(path.read_text())
-        rows = apply_data(data)
+        rows = apply_data(data, heads)
     except (OSError, ValueError, KeyError, TypeError) as err:
         logger.warning("ignoring the tuned kernel configs %s: %s", path, err)
         return None, None
@@ -69,7 +70,7 @@ def apply(device: torch.device) -> tuple[Path | None, int | None]:
     return path, rows
 
 
-def apply_data(data: dict[str, Any]) -> int | None:
+def apply_data(data: dict[str, Any], heads: tuple[int, int]) -> int | None:
     """Set the kernels' launch tables from a tuned file's contents -> its ``skinny_rows``."""
     from jitney.worker import triton_attention, triton_skinny
 
@@ -77,7 +78,8 @@ def apply_data(data: dict[str, Any]) -> int | None:
     for key, value in data.get("skinny", {}).items():
         n, k = (int(v) for v in key.split("x"))
         skinny[(n, k)] = triton_skinny.SkinnyConfig(*(int(v) for v in value))
-    attention = data.get("attention", {})
+    by_heads = data.get("attention", {})
+    attention = by_heads.get(f"{heads[0]}/{heads[1]}", by_heads.get("*", {}))
     launch = {kind: tuple(None if v is None else int(v) for v in attention[kind])
               for kind in ("prefill", "decode") if kind in attention}
     rows = data.get("skinny_rows")
