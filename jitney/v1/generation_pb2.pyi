@@ -278,7 +278,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "grammar_masked_steps", "grammar_mask_seconds")
+    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "grammar_masked_steps", "grammar_mask_seconds", "replicas", "router_retried_requests")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,8 @@ class GetServerStatsResponse(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASKED_STEPS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_RETRIED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_blocks_total: int
@@ -303,4 +305,24 @@ class GetServerStatsResponse(_message.Message):
     prefix_cache_hit_tokens: int
     grammar_masked_steps: int
     grammar_mask_seconds: float
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., grammar_masked_steps: _Optional[int] = ..., grammar_mask_seconds: _Optional[float] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
+    router_retried_requests: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., grammar_masked_steps: _Optional[int] = ..., grammar_mask_seconds: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., router_retried_requests: _Optional[int] = ...) -> None: ...
+
+class ReplicaStats(_message.Message):
+    __slots__ = ("target", "serving", "stats", "error", "routed_requests", "prefix_routed_requests", "in_flight")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    serving: bool
+    stats: GetServerStatsResponse
+    error: str
+    routed_requests: int
+    prefix_routed_requests: int
+    in_flight: int
+    def __init__(self, target: _Optional[str] = ..., serving: _Optional[bool] = ..., stats: _Optional[_Union[GetServerStatsResponse, _Mapping]] = ..., error: _Optional[str] = ..., routed_requests: _Optional[int] = ..., prefix_routed_requests: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
