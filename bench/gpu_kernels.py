@@ -192,7 +192,7 @@ def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) 
     ta.LAUNCH.update(defaults[2])
     # Decode launches: 64 sequences of 128 keys.
     nh, kvh, d = layouts[0]
-    seqs, ctx = 64, 128
+    seqs, ctx = (64, 128) if DEVICE == "cuda" else (4, 32)
     blocks = ctx // 16
     k_cache = torch.randn(seqs * blocks, 16, kvh, d, device=DEVICE, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
