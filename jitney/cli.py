@@ -3,7 +3,8 @@
 ``serve``, ``scheduler`` and ``worker`` run ``jitney.scheduler`` and
 ``jitney.worker``; ``generate``, ``health`` and ``bench`` are
 ``jitney.client``'s; ``plot`` draws step traces (``jitney.scheduler.plot``);
-``keys`` writes the link's Curve keys (``jitney.common.zmq_security``).
+``keys`` writes the link's Curve keys (``jitney.common.zmq_security``);
+``router`` routes across replicas (``jitney.scheduler.router_main``).
 The client's small command module is imported at start; the scheduler and
 the worker only inside the function that runs them, so the client library
 never pulls in the server's code.
@@ -38,6 +39,14 @@ def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     add_worker_arguments(work)
     for p in (serve, sched, work):
         p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def _router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from jitney.scheduler.router_main import add_router_arguments
+
+    router = sub.add_parser("router", help="route requests across several Jitney servers (cache-aware)")
+    add_router_arguments(router)
+    router.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
 def _plot_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -79,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jitney", description="Jitney: an in-flight batching LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _server_parsers(sub)
+    _router_parser(sub)
     add_client_parsers(sub)
     _plot_parser(sub)
     _keys_parser(sub)
@@ -116,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.command == "keys":
         return _run_keys(ns)
+    if ns.command == "router":
+        from jitney.scheduler.router_main import RouterConfig, run_router
+
+        _configure_logging(ns.log_level)
+        return run_router(RouterConfig.from_namespace(ns))
     if (ns.command in ("serve", "scheduler") and None not in (ns.max_num_batched_tokens, ns.max_num_seqs)
             and ns.max_num_batched_tokens < ns.max_num_seqs):
         parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
