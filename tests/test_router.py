@@ -13,7 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from bench.certs import Pki
 from bench.server_harness import free_port
+from jitney.scheduler.replicas import ReplicaTls
 from jitney.scheduler.router_main import RouterConfig, serve
 from jitney.scheduler.routing import RoutingConfig
 from jitney.v1 import generation_pb2 as pb
@@ -83,13 +85,19 @@ class Cluster:
     health: health_pb2_grpc.HealthStub
 
 
-async def _start_fake(fake: FakeReplica) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
+async def _start_fake(fake: FakeReplica, pki: Pki | None = None
+                      ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
     server = grpc.aio.server()
     pb_grpc.add_GenerationServiceServicer_to_server(fake, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    if pki is None:
+        server.add_insecure_port(f"127.0.0.1:{port}")
+    else:       # mutual TLS: the router must show a client certificate of the CA
+        server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials(
+            [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+            root_certificates=pki.ca.read_bytes(), require_client_auth=True))
     await server.start()
     await health_servicer.set("", SERVING)
     return server, health_servicer, f"127.0.0.1:{port}"
@@ -108,19 +116,26 @@ async def _wait_health(stub: health_pb2_grpc.HealthStub, status: int, timeout: f
 
 
 def run_cluster(modes: list[str], body: Callable[[Cluster], Awaitable[None]],
-                policy: str = "cache-aware", replica_targets: list[str] | None = None) -> None:
-    """Start fake replicas of ``modes`` and a router in front; run ``body``."""
+                policy: str = "cache-aware", replica_targets: list[str] | None = None,
+                pki: Pki | None = None) -> None:
+    """Start fake replicas of ``modes`` and a router in front; run ``body``.
+    With ``pki``: TLS everywhere (the replicas require the router's client certificate)."""
     async def main() -> None:
         fakes = [FakeReplica(mode) for mode in modes]
-        started = [await _start_fake(f) for f in fakes]
+        started = [await _start_fake(f, pki) for f in fakes]
         stop = asyncio.Event()
         port = free_port()
+        tls = {} if pki is None else dict(
+            tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
+            replica_tls=ReplicaTls(str(pki.ca), str(pki.client_cert), str(pki.client_key)))
         cfg = RouterConfig(tuple(replica_targets or [t for _, _, t in started]), port=port,
                            routing=RoutingConfig(policy), tokenizer=False, health_interval=0.05,
-                           health_timeout=1.0)
+                           health_timeout=1.0, **tls)  # type: ignore[arg-type]
         router = asyncio.create_task(serve(cfg, stop=stop))
+        target = f"127.0.0.1:{port}"
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with (grpc.aio.insecure_channel(target) if pki is None else grpc.aio.secure_channel(
+                    target, grpc.ssl_channel_credentials(pki.ca.read_bytes()))) as channel:
                 cluster = Cluster(fakes, [h for _, h, _ in started], pb_grpc.GenerationServiceStub(channel),
                                   health_pb2_grpc.HealthStub(channel))
                 if replica_targets is None:
@@ -258,3 +273,26 @@ def test_with_no_replica_reachable_calls_get_unavailable() -> None:
             await c.stub.GetServerStats(pb.GetServerStatsRequest())
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     run_cluster([], body, replica_targets=[f"127.0.0.1:{free_port()}"])
+
+
+def test_tls_on_both_sides(tmp_path: Any) -> None:
+    from bench.certs import make_pki
+
+    async def body(c: Cluster) -> None:
+        assert [m.text for m in await collect(c.stub, stream_request())] == ["a", "b"]
+    run_cluster(["ok"], body, pki=make_pki(tmp_path))
+
+
+def test_router_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jitney.cli import build_parser
+
+    monkeypatch.setenv("JITNEY_API_KEY", "from-env")
+    ns = build_parser().parse_args(["router", "--replica", "a:1", "--replica", "b:2", "--policy", "round-robin",
+                                    "--overload-threshold", "3", "--replica-tls-ca", "ca.pem", "--no-tokenizer"])
+    cfg = RouterConfig.from_namespace(ns)
+    assert cfg.replicas == ("a:1", "b:2") and cfg.port == 50050 and not cfg.tokenizer
+    assert cfg.routing == RoutingConfig("round-robin", 3)
+    assert cfg.replica_tls == ReplicaTls("ca.pem") and cfg.replica_api_key == "from-env"
+    assert RouterConfig.from_namespace(build_parser().parse_args(["router", "--replica", "a:1"])).replica_tls is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router"])              # at least one --replica
