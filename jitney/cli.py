@@ -37,6 +37,9 @@ def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     add_scheduler_arguments(sched)
     work = sub.add_parser("worker", help="run the worker process alone (model + KV cache)")
     add_worker_arguments(work)
+    from jitney.worker.config import add_parallel_arguments
+
+    add_parallel_arguments(work)
     for p in (serve, sched, work):
         p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
@@ -166,10 +169,15 @@ def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace)
         load_client_keys(ns.curve_keys)
     sub = cast("dict[str, argparse.ArgumentParser]",
                parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
-    standby = ns.standby_worker if ns.standby_worker is not None else ns.device == "cpu"
+    tp_size = ns.tensor_parallel_size
+    if tp_size > 1 and ns.standby_worker:
+        print("jitney serve: --standby-worker is not available with --tensor-parallel-size > 1",
+              file=sys.stderr, flush=True)
+        return 2
+    standby = ns.standby_worker if ns.standby_worker is not None else ns.device == "cpu" and tp_size == 1
     return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),
                      max_worker_restarts=ns.max_worker_restarts, drain_seconds=ns.drain_seconds,
-                     standby=standby)
+                     standby=standby, tp_size=tp_size)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,15 @@ serving worker dies, one byte on that pipe makes the standby connect and
 send its Ready: the scheduler serves again within a fraction of a second,
 instead of the seconds a fresh process needs for its imports and its load
 (bench/recovery.py). A new standby then starts behind it.
+
+Tensor parallelism (``--tensor-parallel-size N``): the worker is a group of
+N processes, ranks 0 .. N-1 of one ``torch.distributed`` group that meets
+at a free local port drawn anew for each start (``--dist-init``). Rank 0 is
+the worker the scheduler sees; its ready pipe is the group's. The group
+lives and dies as one: when any rank exits, the others are killed and a new
+group starts, under the policy above (at once after its Ready, with backoff
+before). No standby under tensor parallelism: a waiting group would hold
+another N processes' shards and rendezvous.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +69,17 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                              "fraction of a second when the serving one dies; it costs one more copy "
                              "of the weights in memory (default: on for --device cpu, off for cuda, "
                              "where it would hold a second KV cache's worth of GPU memory)")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                        help="run the model over N worker processes (one torch.distributed group: gloo on "
+                             "the CPU, NCCL on CUDA with one GPU per rank); its heads and MLP are split N ways "
+                             "and any rank's death restarts the group (default 1; no standby worker when > 1)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
@@ -149,6 +170,64 @@ class _WorkerProcess:
         self.ready_pipe = self.activate_pipe = None
 
 
+@dataclass(eq=False)
+class _WorkerGroup:
+    """The processes of one worker: one, or the N ranks of a tensor-parallel
+    group. Rank 0's ready pipe is the group's; any rank's exit ends the group."""
+
+    ranks: list[_WorkerProcess]
+
+    @classmethod
+    def start(cls, cmd: list[str], size: int) -> "_WorkerGroup":
+        if size == 1:
+            return cls([_WorkerProcess.start(cmd, standby=False)])
+        rendezvous = ["--tp-size", str(size), "--dist-init", f"tcp://127.0.0.1:{_free_port()}"]
+        ranks: list[_WorkerProcess] = []
+        try:
+            for rank in range(size):
+                ranks.append(_WorkerProcess.start(cmd + ["--tp-rank", str(rank), *rendezvous], standby=False))
+        except BaseException:
+            cls(ranks).kill()
+            raise
+        return cls(ranks)
+
+    @property
+    def lead(self) -> _WorkerProcess:
+        return self.ranks[0]
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [r.proc for r in self.ranks]
+
+    def poll(self) -> int | None:
+        """The exit status of a rank that exited (the first found), None while all run."""
+        for rank in self.ranks:
+            code = rank.proc.poll()
+            if code is not None:
+                return code
+        return None
+
+    def kill(self) -> None:
+        """End every rank still running (a group missing a rank cannot serve)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        self.close()
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on now (rank 0 binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class _Supervisor:
     scheduler_cmd: list[str]
@@ -156,8 +235,9 @@ class _Supervisor:
     max_worker_restarts: int
     drain_seconds: float
     standby: bool = False               # keep a loaded standby worker (--standby-worker)
+    tp_size: int = 1                    # ranks per worker (--tensor-parallel-size); no standby when > 1
     scheduler: subprocess.Popen[bytes] = field(init=False)
-    worker: _WorkerProcess | None = field(init=False, default=None)
+    worker: _WorkerGroup | None = field(init=False, default=None)
     spare: _WorkerProcess | None = field(init=False, default=None)   # the standby
     stopping_since: float | None = None
     restarts: list[float] = field(default_factory=list)   # times of recent crash-loop restarts
@@ -165,8 +245,10 @@ class _Supervisor:
     spare_at: float | None = None       # when to start the next standby
 
     def run(self) -> int:
+        if self.tp_size > 1:
+            self.standby = False
         self.scheduler = subprocess.Popen(self.scheduler_cmd)
-        self.worker = _WorkerProcess.start(self.worker_cmd, standby=False)
+        self.worker = _WorkerGroup.start(self.worker_cmd, self.tp_size)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
@@ -184,7 +266,7 @@ class _Supervisor:
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
         # SIGTERM: the scheduler drains, then sends the worker Shutdown.
-        targets = [self.scheduler] + ([self.worker.proc] if signum == signal.SIGINT and self.worker else [])
+        targets = [self.scheduler] + (self.worker.procs if signum == signal.SIGINT and self.worker else [])
         targets += [self.spare.proc] if self.spare else []    # a standby has nothing to drain
         for proc in targets:
             if proc.poll() is None:
@@ -209,16 +291,19 @@ class _Supervisor:
         """Replace a dead worker when due; False once crash-loop restarts are used up."""
         now = time.monotonic()
         if self.worker is not None:
-            self.worker.poll_ready()
-            code = self.worker.proc.poll()
+            self.worker.lead.poll_ready()
+            code = self.worker.poll()
             if code is None or self.stopping_since is not None:
                 return True
             dead, self.worker = self.worker, None
-            dead.poll_ready()    # a byte written just before it died
-            dead.close()
-            if dead.ready:
+            dead.lead.poll_ready()    # a byte written just before it died
+            dead.kill()               # the other ranks of its group, if any
+            if self.tp_size > 1:
+                print(f"jitney: a rank of the tensor-parallel worker group exited with status {code}; "
+                      "stopped the group", file=sys.stderr, flush=True)
+            if dead.lead.ready:
                 if self.spare is not None and self.spare.proc.poll() is None and self.spare.activate():
-                    self.worker, self.spare = self.spare, None
+                    self.worker, self.spare = _WorkerGroup([self.spare]), None
                     print(f"jitney: the worker exited with status {code} while serving; "
                           "activated the standby worker", file=sys.stderr, flush=True)
                     return True
@@ -232,7 +317,7 @@ class _Supervisor:
                 self.restart_at = now + backoff
         if self.restart_at is not None and now >= self.restart_at and self.stopping_since is None:
             self.restart_at = None
-            self.worker = _WorkerProcess.start(self.worker_cmd, standby=False)
+            self.worker = _WorkerGroup.start(self.worker_cmd, self.tp_size)
         return True
 
     def _tend_spare(self) -> None:
@@ -251,9 +336,10 @@ class _Supervisor:
             self.spare = None
             backoff = self._crash_backoff("standby worker", code)
             self.spare_at = now + (backoff if backoff is not None else RESTART_WINDOW_SECONDS)
-        if self.worker is None or self.worker.ready_since is None or (self.spare_at is not None and now < self.spare_at):
+        serving = self.worker.lead.ready_since if self.worker is not None else None
+        if serving is None or (self.spare_at is not None and now < self.spare_at):
             return
-        if now - self.worker.ready_since < STANDBY_DELAY_SECONDS:
+        if now - serving < STANDBY_DELAY_SECONDS:
             return
         self.spare_at = None
         self.spare = _WorkerProcess.start(self.worker_cmd, standby=True)
@@ -267,7 +353,7 @@ class _Supervisor:
             self.scheduler.kill()
 
     def _stop_all(self) -> None:
-        workers = [w for w in (self.worker, self.spare) if w is not None]
+        workers = (self.worker.ranks if self.worker is not None else []) + ([self.spare] if self.spare else [])
         for w in workers:
             w.close()   # a standby's closed activation pipe ends it too
         procs = [self.scheduler] + [w.proc for w in workers]
@@ -286,10 +372,11 @@ class _Supervisor:
 
 
 def supervise(scheduler_argv: list[str], worker_argv: list[str], *,
-              max_worker_restarts: int = 5, drain_seconds: float = 30.0, standby: bool = False) -> int:
+              max_worker_restarts: int = 5, drain_seconds: float = 30.0, standby: bool = False,
+              tp_size: int = 1) -> int:
     with tempfile.TemporaryDirectory(prefix="jitney-") as tmp:
         addrs = ["--plan-addr", f"ipc://{tmp}/plan", "--result-addr", f"ipc://{tmp}/result"]
         base = [sys.executable, "-m", "jitney.cli"]
         return _Supervisor(base + ["scheduler", *scheduler_argv, *addrs],
                            base + ["worker", *worker_argv, *addrs],
-                           max_worker_restarts, drain_seconds, standby).run()
+                           max_worker_restarts, drain_seconds, standby, tp_size).run()

@@ -84,6 +84,15 @@ class WorkerConfig:
         (``worker/weights_cache.py``); ``None`` = ``$JITNEY_WEIGHTS_CACHE`` or
         ``~/.cache/jitney/weights``.
       use_weights_cache: False loads from the model's files every time.
+      tp_rank, tp_size: this process's rank in a tensor-parallel group of
+        ``tp_size`` worker processes (``worker/parallel.py``); 1 = no tensor
+        parallelism. Rank 0 talks to the scheduler and relays every plan to
+        the others, which need no ZeroMQ endpoints.
+      dist_init: the group's ``torch.distributed`` rendezvous,
+        ``tcp://HOST:PORT`` (rank 0 listens there); needed when ``tp_size`` > 1.
+      dist_timeout: seconds a rank waits for the group to form and for any
+        collective (gloo's timeout); it must cover the slowest rank's load.
+        Hangs while serving are ended sooner by ``hang_timeout``.
     """
 
     model: str | None = None
@@ -106,6 +115,10 @@ class WorkerConfig:
     skinny_rows: int | None = None
     weights_cache: str | None = None
     use_weights_cache: bool = True
+    tp_rank: int = 0
+    tp_size: int = 1
+    dist_init: str | None = None
+    dist_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         # Guards programmatic construction; the CLI reports the same errors
@@ -133,6 +146,12 @@ class WorkerConfig:
         if self.hang_timeout != 0 and not MIN_HANG_TIMEOUT <= self.hang_timeout < float("inf"):
             raise ValueError(f"hang_timeout must be 0 (off) or a finite number >= {MIN_HANG_TIMEOUT:g}, "
                              f"got {self.hang_timeout}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size = {self.tp_size}), got {self.tp_rank}")
+        if self.tp_size > 1 and not self.dist_init:
+            raise ValueError("a tensor-parallel group (tp_size > 1) needs dist_init (tcp://HOST:PORT)")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -254,3 +273,31 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: $JITNEY_WEIGHTS_CACHE or ~/.cache/jitney/weights)")
     group.add_argument("--no-weights-cache", dest="use_weights_cache", action="store_false",
                        help="always convert the model from its files; write no cache")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of one rank of a tensor-parallel group (`jitney worker` only:
+    `jitney serve --tensor-parallel-size N` passes them to the ranks it starts)."""
+    group = parser.add_argument_group("tensor parallelism")
+    group.add_argument("--tp-rank", dest="tp_rank", type=_non_negative_int, default=0,
+                       help="this worker's rank in its tensor-parallel group; rank 0 connects to the scheduler "
+                            "and relays plans to the others (default 0)")
+    group.add_argument("--tp-size", dest="tp_size", type=_positive_int, default=1,
+                       help="ranks in the group: the model's heads and MLP are split N ways (default 1)")
+    group.add_argument("--dist-init", dest="dist_init", default=None, metavar="tcp://HOST:PORT",
+                       help="the group's torch.distributed rendezvous; rank 0 listens on it "
+                            "(required with --tp-size > 1)")
+    group.add_argument("--dist-timeout", dest="dist_timeout", type=_positive_float, default=300.0,
+                       metavar="SECONDS",
+                       help="longest wait for the group to form or for one collective (default 300; "
+                            "--hang-timeout ends hangs while serving sooner)")

@@ -20,7 +20,8 @@ from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
 from jitney.worker import cpu_kernels
 from jitney.worker.backends import BackendUnavailableError
 from jitney.worker.cpu_linear import PackedLinear, pack_linears, packing_supported
-from jitney.worker.model import CausalLM, ModelConfig, ModelFacts, RopeScaling
+from jitney.worker.model import CausalLM, ModelConfig, ModelFacts, Reduce, RopeScaling, no_reduce
+from jitney.worker.sharding import Shard, check_shardable, local_config, read_safetensors, shard_state_dict
 from jitney.worker.weights_cache import WeightsCache
 
 logger = logging.getLogger("jitney.worker")
@@ -146,18 +147,22 @@ def _generation_config(files: ModelFiles) -> Any:
     return GenerationConfig.from_pretrained(str(files.directory), local_files_only=True)
 
 
-def load_state_dict(files: ModelFiles, hf: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF-named CPU tensors of the checkpoint (GGUF ones de-quantised to ``dtype``)."""
+def load_state_dict(files: ModelFiles, hf: Any, dtype: torch.dtype, cfg: ModelConfig,
+                    shard: Shard | None = None) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors of the checkpoint (GGUF ones de-quantised to ``dtype``);
+    with ``shard``, that tensor-parallel rank's parts (``sharding.py``): a
+    safetensors folder's are read alone, a GGUF file is de-quantised whole and cut."""
     if files.gguf_file is not None:
-        return _load_gguf_tensors(files.directory / files.gguf_file, hf, dtype)
-    shards = sorted(files.directory.glob("*.safetensors"))
-    if not shards:
+        converted = _load_gguf_tensors(files.directory / files.gguf_file, hf, dtype)
+        if shard is not None and shard.size > 1:
+            shard_state_dict(converted, cfg, shard)
+        return converted
+    paths = sorted(files.directory.glob("*.safetensors"))
+    if not paths:
         raise UnsupportedModelError(f"{files.directory} has no *.safetensors (pickled .bin files are refused)")
-    from safetensors.torch import load_file
-
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(shard), device="cpu"))
+    for path in paths:
+        state.update(read_safetensors(path, cfg, shard))
     return state
 
 
@@ -223,6 +228,7 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
     *, batch_invariant: bool = False, weights_cache: WeightsCache | None = None,
+    shard: Shard | None = None, reduce: Reduce = no_reduce,
 ) -> tuple[CausalLM, ModelFacts]:
     """Load ``model`` (path or ``None`` = bundled default) ready to run.
 
@@ -230,41 +236,52 @@ def load_model(
     (``_swap_linears``). With a ``weights_cache``, the config, the facts and
     (for GGUF) the converted tensors come from its entry for these files and
     this dtype, and a miss writes the entry (``weights_cache.py``).
+    ``shard``: a tensor-parallel rank's model (its local config and weights,
+    ``sharding.py``), whose row-parallel layers sum over the group with ``reduce``;
+    a model whose heads or MLP do not split ``shard.size`` ways raises ``ValueError``.
     """
     started = time.perf_counter()
     files = resolve_model(model)
-    cached = weights_cache.read(files, dtype) if weights_cache is not None else None
+    split = shard if shard is not None and shard.size > 1 else None
+    cached = weights_cache.read(files, dtype, split) if weights_cache is not None else None
     if cached is not None:
         cfg, facts = cached.config, cached.facts
+        if split is not None:
+            check_shardable(cfg, split.size)
         config_done = time.perf_counter()
-        state = cached.state if cached.state is not None else load_state_dict(files, None, dtype)
+        state = cached.state if cached.state is not None else load_state_dict(files, None, dtype, cfg, split)
         source = f"weights cache {weights_cache.root if weights_cache else ''}"
     else:
         hf = load_hf_config(files)
         cfg = model_config_from_hf(hf)
         facts = source_facts(files, hf)
+        if split is not None:
+            check_shardable(cfg, split.size)
         config_done = time.perf_counter()
-        state = load_state_dict(files, hf, dtype)
+        # The cache keeps whole tensors: a GGUF rank converts all of it before cutting its part.
+        state = load_state_dict(files, hf, dtype, cfg, None if files.gguf_file is not None else split)
         source = "source files"
         if weights_cache is not None:
             kept = state if files.gguf_file is not None else None
             written = weights_cache.write(files, dtype, cfg, facts, kept)
             if written is not None:
                 logger.info("wrote the converted model to the weights cache (%s)", written)
+        if split is not None and files.gguf_file is not None:
+            shard_state_dict(state, cfg, split)
     facts = cap_context(facts, max_model_len)
     read_done = time.perf_counter()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some checkpoints store the tied copy
     state.pop("model.rotary_emb.inv_freq", None)  # old checkpoints saved the buffer
     with torch.device("meta"):
-        net = CausalLM(cfg)
+        net = CausalLM(local_config(cfg, split.size) if split is not None else cfg, reduce=reduce)
     net.load_weights(state, dtype, device)
     _swap_linears(net, dtype, device, batch_invariant)
     if state:
         logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(state)[:8]))
     logger.info(
-        "loaded %s (%s, %s) from %s: config %.2fs, weights read %.2fs, placed %.2fs",
-        facts.name, dtype, device, source, config_done - started, read_done - config_done,
+        "loaded %s (%s, %s%s) from %s: config %.2fs, weights read %.2fs, placed %.2fs",
+        facts.name, dtype, device, f", rank {split.rank} of {split.size}" if split else "", source, config_done - started, read_done - config_done,
         time.perf_counter() - read_done,
     )
     return net, facts

@@ -22,6 +22,14 @@ waited for them (its plan was refused, discarded or failed first) are dropped.
 
 The watchdog (``--hang-timeout``, ``watchdog.py``) is re-armed before every
 step and every wait for a message: a worker stuck longer exits.
+
+Tensor parallelism (``--tp-size N``, ``parallel.py``): every rank joins the
+group first. Rank 0 runs this loop; its runner relays each plan it runs to
+the other ranks, and it relays its heartbeats and a Shutdown too. The other
+ranks connect no socket and run ``parallel.follow``. Under a group, a step
+that fails with anything but a refused plan or unfitting masks ends the
+process (its collectives may be out of step with the other ranks'): the
+group goes down, and is restarted whole.
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ from jitney.common.incarnation import new_incarnation, routing_id
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
-from jitney.worker.config import WorkerConfig, add_worker_arguments
+from jitney.worker import parallel
+from jitney.worker.config import WorkerConfig, add_parallel_arguments, add_worker_arguments
 from jitney.worker.plan import PlanError
 from jitney.worker.runner import MaskError, MaskSource, ModelRunner
 from jitney.worker.watchdog import Watchdog
@@ -99,7 +108,13 @@ def _sigterm_exits() -> Iterator[None]:
 
 
 def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner] = ModelRunner) -> int:
-    """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0)."""
+    """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0).
+
+    Under tensor parallelism the group is joined first and the runner is
+    always a ``ModelRunner`` of it; a rank > 0 follows rank 0 instead."""
+    group = parallel.init_group(config)
+    if group is not None and group.rank > 0:
+        return _follow(config, group)
     if config.plan_addr is None or config.result_addr is None:
         raise ValueError("plan_addr and result_addr must be set")
     keys = load_client_keys(config.curve_keys) if config.curve_keys else None
@@ -115,7 +130,7 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         plans.setsockopt(zmq.ROUTING_ID, routing_id(incarnation))   # the scheduler addresses us by it
         with _sigterm_exits():
-            runner = make_runner(config)
+            runner = make_runner(config) if group is None else ModelRunner(config, group=group)
             if not _standby_until_activated():
                 return 0
             client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
@@ -127,7 +142,7 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
             logger.info("ready (incarnation %016x): plans from %s, results to %s",
                         incarnation, config.plan_addr, config.result_addr)
             _tell_supervisor_ready()
-            return _serve(runner, _Inbox(plans, outbox, watchdog), watchdog)
+            return _serve(runner, _Inbox(plans, outbox, watchdog, group), watchdog)
     except _Terminated:
         logger.info("SIGTERM: exiting")
         return 0
@@ -136,6 +151,24 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
         plans.close(linger=0)
         push.close(linger=0)
         context.term()
+
+
+def _follow(config: WorkerConfig, group: parallel.TensorParallelGroup) -> int:
+    """A rank > 0: load its shard, then run what rank 0 relays until its Shutdown or SIGTERM."""
+    os.environ.pop(READY_FD_ENV, None)   # rank 0 alone tells the supervisor the group is ready
+    watchdog = Watchdog(config.hang_timeout)
+    try:
+        with _sigterm_exits():
+            runner = ModelRunner(config, group=group)
+            logger.info("rank %d of %d: following rank 0", group.rank, group.size)
+            code = parallel.follow(runner, group, watchdog)
+            group.close()
+            return code
+    except _Terminated:
+        logger.info("SIGTERM: exiting")
+        return 0
+    finally:
+        watchdog.disarm()
 
 
 class _Outbox:
@@ -155,8 +188,10 @@ class _Outbox:
 class _Inbox:
     """The plan socket, and the plans that arrived while a step waited for its masks."""
 
-    def __init__(self, plans: zmq.Socket, outbox: _Outbox, watchdog: Watchdog) -> None:  # type: ignore[type-arg]
+    def __init__(self, plans: zmq.Socket, outbox: _Outbox, watchdog: Watchdog,  # type: ignore[type-arg]
+                 group: parallel.TensorParallelGroup | None = None) -> None:
         self.plans, self.outbox, self.watchdog = plans, outbox, watchdog
+        self.group = group   # rank 0 of a tensor-parallel group: heartbeats and Shutdown are relayed
         self.queued: deque[tuple[engine_pb2.StepPlan, float]] = deque()   # (plan, time received)
         # Steps that ended without reading their masks: those masks are dropped when they come.
         self.unread_masks: set[int] = set()
@@ -170,6 +205,8 @@ class _Inbox:
         self.watchdog.arm()
         if not self.plans.poll(int(HEARTBEAT_SECONDS * 1000)):
             self.outbox.send(self.heartbeat)
+            if self.group is not None:
+                self.group.heartbeat()
             return None
         data = self.plans.recv()
         received = time.perf_counter()
@@ -229,6 +266,7 @@ def _serve(runner: Runner, inbox: _Inbox, watchdog: Watchdog) -> int:
             message, kind, received = inbox.next()
             if kind == "shutdown":
                 logger.info("shutdown requested")
+                _relay_shutdown(inbox)
                 return 0
             if kind == "masks":
                 inbox.drop_masks(message.masks)
@@ -242,9 +280,10 @@ def _serve(runner: Runner, inbox: _Inbox, watchdog: Watchdog) -> int:
                 inbox.unread_masks.clear()
             watchdog.arm()
             try:
-                reply = _execute(runner, plan, inbox.wait_for_masks)
+                reply = _execute(runner, plan, inbox.wait_for_masks, fatal=inbox.group is not None)
             except _ShutdownRequested:
                 logger.info("shutdown requested while step %d waited for its masks", plan.step_id)
+                _relay_shutdown(inbox)
                 return 0
             failed = plan.step_id if reply.HasField("error") else None
         if any(c.masked for c in plan.chunks) and inbox.masks_read != plan.step_id:
@@ -254,8 +293,17 @@ def _serve(runner: Runner, inbox: _Inbox, watchdog: Watchdog) -> int:
         inbox.outbox.send(reply)
 
 
+def _relay_shutdown(inbox: _Inbox) -> None:
+    if inbox.group is not None:
+        inbox.group.shutdown()
+        inbox.group.close()
+
+
 def _execute(runner: Runner, plan: engine_pb2.StepPlan,
-             wait_for_masks: Callable[[int], engine_pb2.StepMasks] | None = None) -> engine_pb2.WorkerMessage:
+             wait_for_masks: Callable[[int], engine_pb2.StepMasks] | None = None,
+             fatal: bool = False) -> engine_pb2.WorkerMessage:
+    """The reply to ``plan``. ``fatal`` (a tensor-parallel rank 0): an error other
+    than a refused plan or unfitting masks is raised, not answered."""
     try:
         return engine_pb2.WorkerMessage(result=runner.execute(plan, wait_for_masks))
     except PlanError as err:
@@ -266,6 +314,8 @@ def _execute(runner: Runner, plan: engine_pb2.StepPlan,
         raise
     except Exception as err:  # a worker bug: report it, keep serving
         logger.exception("step %d failed", plan.step_id)
+        if fatal:
+            raise
         return _error(plan.step_id, f"step failed: {type(err).__name__}: {err}")
 
 
@@ -318,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m worker.main --plan-addr ... --result-addr ...``."""
     parser = argparse.ArgumentParser(prog="python -m worker.main", description="Jitney worker process")
     add_worker_arguments(parser)
+    add_parallel_arguments(parser)
     ns = parser.parse_args(argv)
-    if ns.plan_addr is None or ns.result_addr is None:
+    if ns.tp_rank == 0 and (ns.plan_addr is None or ns.result_addr is None):
         parser.error("--plan-addr and --result-addr are required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_worker(WorkerConfig.from_namespace(ns))

@@ -10,11 +10,17 @@ Triton attention backend.
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
+
+Tensor parallelism (``sharding.py``): a rank's model is built from its
+local config (its heads, its share of the MLP) and a ``reduce`` that sums a
+row-parallel output over the ranks (an all-reduce); it is called after
+o_proj and after down_proj, and is the identity without a group.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,14 @@ from torch import nn
 from jitney.worker.attention import AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
 from jitney.worker.kv_cache import PagedKVCache
 from jitney.worker.layer_ops import InvariantCpuLayerOps, TorchLayerOps, rms_norm_torch
+
+
+# Sums a row-parallel layer's partial output over the tensor-parallel ranks (in place).
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
@@ -125,19 +140,20 @@ class Attention(nn.Module):
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         q = ops.rope_and_cache(qkv, rope, kv, meta, backend, heads)  # (T, nh, d); k, v now in the cache
         out = backend.attend(q, kv[0], kv[1], meta, self.scale)  # (T, nh, d)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.reduce(self.o_proj(out.reshape(x.shape[0], -1)))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
         super().__init__()
+        self.reduce = reduce
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -150,12 +166,12 @@ class DecoderLayer(nn.Module):
         # layer out: x = this MLP's output,                    residual = stream before that output
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, reduce)
 
     def forward(
         self,
@@ -180,24 +196,29 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.``)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
         super().__init__()
         # Given an empty weight, the embedding skips its random init: on the meta
         # device, normal_ would import sympy (~1.5 s of a restarted worker's start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """The whole model. Build it on the meta device, then ``load_weights``."""
+    """The whole model. Build it on the meta device, then ``load_weights``.
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
+    Under tensor parallelism ``cfg`` is the rank's local config
+    (``sharding.local_config``) and ``reduce`` the group's all-reduce.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
+                 reduce: Reduce = no_reduce) -> None:
         super().__init__()
         self.config = cfg
         self.backend = backend if backend is not None else TorchPagedAttention()
-        self.model = Decoder(cfg)
+        self.model = Decoder(cfg, reduce)
         # The elementwise work between matmuls; ``use_backend`` picks the fused ops for Triton.
         self.ops = TorchLayerOps(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         # None: tied to the embedding (until a packed copy takes its place).

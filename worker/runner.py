@@ -15,6 +15,11 @@ every prompt position of their chunks are computed too (after the sample)
 and each prompt token is scored under the distribution before it; the
 log-softmax row after a chunk's last prompt position is kept to score the
 next chunk's first token.
+
+Tensor parallelism (``parallel.py``): rank 0's runner broadcasts each plan
+it executes, with the tokens it sampled since the last one, to the other
+ranks; theirs execute it (``note_samples`` first) and skip the logits and
+the sampling. Warm-up runs on rank 0 and reaches the others the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,6 +47,8 @@ from jitney.worker.device import (dtype_name, resolve_batch_invariant, resolve_d
 from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
+from jitney.worker.model import no_reduce
+from jitney.worker.parallel import TensorParallelGroup
 from jitney.worker.plan import PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
 from jitney.worker.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.warmup import profile_activations, warm_up
@@ -94,22 +101,33 @@ class _PromptChunk:
 class ModelRunner:
     """Owns the model, the paged KV cache and the persistent batch.
 
-    ``capture_graphs``: None = on CUDA with a graph-safe backend; False runs
-    every step eagerly; a ``DecodeGraphs`` may also be set afterwards
-    (tests emulate graphs on the CPU that way).
+    ``capture_graphs``: None = on CUDA with a graph-safe backend, without
+    tensor parallelism (its all-reduces run eagerly); False runs every step
+    eagerly; a ``DecodeGraphs`` may also be set afterwards (tests emulate
+    graphs on the CPU that way). ``group``: this rank's tensor-parallel group
+    (``parallel.init_group(config)``), needed when ``config.tp_size`` > 1.
     """
 
-    def __init__(self, config: WorkerConfig, *, capture_graphs: bool | None = None) -> None:
+    def __init__(self, config: WorkerConfig, *, capture_graphs: bool | None = None,
+                 group: TensorParallelGroup | None = None) -> None:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        if (group.size if group is not None else 1) != config.tp_size:
+            raise ValueError(f"tp_size {config.tp_size} needs its group (parallel.init_group)")
         self.config = config
+        self.group = group
+        self.samples = group is None or group.rank == 0     # only rank 0 computes logits and samples
+        # Rank 0: (seq id, token) sampled since the last plan relayed to the other ranks.
+        self._unrelayed: list[tuple[int, int]] = []
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
         self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype)
         cache = (WeightsCache(Path(config.weights_cache) if config.weights_cache else cache_root())
                  if config.use_weights_cache else None)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
-                                            batch_invariant=self.batch_invariant, weights_cache=cache)
+                                            batch_invariant=self.batch_invariant, weights_cache=cache,
+                                            shard=group.shard if group else None,
+                                            reduce=group.all_reduce if group else no_reduce)
         loaded = time.perf_counter()
         cfg = self.model.config
         # The card's measured launch choices, if any, before any kernel is built or tile map sized.
@@ -129,6 +147,8 @@ class ModelRunner:
                                       self.facts.context_length)
         num_blocks = size_cache(geometry, self.device, num_blocks=config.num_blocks,
                                 kv_cache_gib=config.kv_cache_gib, reserve_bytes=reserve.graphs)
+        if group is not None:   # every rank holds the same blocks (of its own KV heads)
+            num_blocks = group.min_int(num_blocks)
         self.cache = PagedKVCache(geometry, num_blocks, self.device)
         self.limits = PlanLimits(num_blocks=num_blocks, block_size=config.block_size,
                                  context_length=self.facts.context_length, vocab_size=self.facts.vocab_size,
@@ -144,11 +164,12 @@ class ModelRunner:
                                 block_size=config.block_size, device=self.device, vocab_size=self.facts.vocab_size,
                                 tile_block_q=prefill_block_q(cfg.num_heads, cfg.num_kv_heads) if graph_safe else 0)
         if capture_graphs is None:
-            capture_graphs = self.device.type == "cuda" and graph_safe
+            capture_graphs = self.device.type == "cuda" and graph_safe and group is None
         self.graphs = (DecodeGraphs(self.model, self.cache, self.batch, capture_sizes(max_seqs),
                                     mixed_tokens=mixed_buckets(max_tokens))
                        if capture_graphs else None)
-        warm_up(self)
+        if self.samples:   # the other ranks run rank 0's warm-up plans, relayed
+            warm_up(self)
         self.warmup_seconds = time.perf_counter() - loaded
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s); step budget %d tokens, %d seats; "
@@ -175,6 +196,7 @@ class ModelRunner:
             max_num_batched_tokens=self.limits.max_num_batched_tokens,
             warmup_seconds=self.warmup_seconds,
             batch_invariant=self.batch_invariant,
+            tensor_parallel_size=self.config.tp_size,
         )
 
     @torch.inference_mode()
@@ -187,6 +209,8 @@ class ModelRunner:
         ``wait_for_masks``: needed by a plan with masked chunks; called once,
         with the step id, after the forward was launched (see ``MaskSource``).
         """
+        if self.group is not None and self.group.rank == 0:
+            self._relay(plan)
         new_states = validate_plan(plan, {} if plan.reset else self.sequences, self.limits)
         masked = [c.seq_id for c in plan.chunks if c.masked]
         if masked and wait_for_masks is None:
@@ -199,6 +223,21 @@ class ModelRunner:
             masking = (plan.step_id, masked, wait_for_masks) if masked and wait_for_masks is not None else None
             self._run(self._chunks(plan), result, masking)
         return result
+
+    def _relay(self, plan: engine_pb2.StepPlan) -> None:
+        """Rank 0: send ``plan`` to the other ranks, with what was sampled since the last one."""
+        assert self.group is not None
+        step = engine_pb2.RankStep(plan=plan, sampled_seq_ids=[s for s, _ in self._unrelayed],
+                                   sampled_token_ids=[t for _, t in self._unrelayed])
+        self._unrelayed.clear()
+        self.group.send(engine_pb2.RankMessage(step=step))
+
+    def note_samples(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """Ranks > 0: the tokens rank 0 sampled (relayed with the next plan)."""
+        for seq_id, token in zip(seq_ids, tokens):
+            state = self.sequences.get(seq_id)
+            if state is not None:
+                state.last_sampled = token
 
     def _forget_all(self) -> None:
         """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
@@ -248,6 +287,9 @@ class ModelRunner:
 
     def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult,
              masking: tuple[int, list[int], MaskSource] | None = None) -> None:
+        if not self.samples:
+            self._forward_only(chunks)
+            return
         graphs = self.graphs
         prompt = self._prompt_chunks(chunks)
         # Prompt logprobs need the hidden states, which a decode graph does not return.
@@ -284,6 +326,13 @@ class ModelRunner:
                 assert hidden is not None
                 self._prompt_logprobs(hidden, prompt, result)
         result.model_seconds = timer.seconds()
+
+    def _forward_only(self, chunks: list[StepChunk]) -> None:
+        """A rank > 0's step: the forward (its K/V written, its share of every all-reduce)."""
+        step = self.batch.stage(chunks)
+        meta = self.model.backend.prepare(self.batch.step_metadata(step))
+        self.model(self.batch.region("input_ids", step.num_tokens),
+                   self.batch.region("positions", step.num_tokens), meta, self.cache)
 
     def _logits(self, step: StagedStep, size: int | None, bucket: int | None,
                 meta: AttentionMetadata | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -352,6 +401,8 @@ class ModelRunner:
                 result: engine_pb2.StepResult) -> None:
         for seq_id, token in zip(seq_ids, tokens):
             self.sequences[seq_id].last_sampled = token
+        if self.group is not None:
+            self._unrelayed.extend(zip(seq_ids, tokens))
         result.seq_ids.extend(seq_ids)
         result.token_ids.extend(tokens)
         result.logprobs.extend(logprobs)

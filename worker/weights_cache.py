@@ -44,6 +44,7 @@ import torch
 
 from jitney.common.model_files import ModelFiles, keep_newest, publish_entry
 from jitney.worker.model import ModelConfig, ModelFacts, RopeScaling
+from jitney.worker.sharding import Shard, read_safetensors
 
 logger = logging.getLogger("jitney.worker")
 
@@ -96,7 +97,9 @@ class WeightsCache:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def read(self, files: ModelFiles, dtype: torch.dtype) -> CachedModel | None:
+    def read(self, files: ModelFiles, dtype: torch.dtype, shard: Shard | None = None) -> CachedModel | None:
+        """The entry of these files and dtype, or None; ``shard``: read only that
+        tensor-parallel rank's parts of the converted tensors (``sharding.py``)."""
         folder = self.root / entry_key(files, dtype)
         if not (folder / META_FILE).is_file():
             return None
@@ -108,9 +111,7 @@ class WeightsCache:
                           tuple(int(t) for t in meta["facts"]["eos_token_ids"]))
             state = None
             if meta["has_weights"]:
-                from safetensors.torch import load_file
-
-                state = load_file(str(folder / WEIGHTS_FILE), device="cpu")
+                state = read_safetensors(folder / WEIGHTS_FILE, config, shard)
         except Exception as err:   # a damaged entry: drop it, load from the source
             logger.warning("weights cache entry %s is unreadable (%s: %s); removing it and loading "
                            "from the source", folder, type(err).__name__, err)

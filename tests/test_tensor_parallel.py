@@ -1,0 +1,201 @@
+"""Tensor parallelism (worker/parallel.py, worker/sharding.py) on gloo with two
+real rank processes, against the same plans run by one process.
+
+Two ranks sum each layer's row-parallel halves with an all-reduce, so the
+logits cannot be bit-identical to one process's in general: the issue asks
+for greedy ids identical and float32 logits within 1e-5 (observed: ~1e-6).
+Tiny random GQA models (4 heads, 2 KV heads: one KV head per rank), the
+CPU's default batch-invariant kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from bench.server_harness import ROOT, free_port, running_server
+from bench.tiny_models import make_tiny_llama, make_tiny_qwen2
+from jitney.engine.v1 import engine_pb2 as epb
+from jitney.v1 import generation_pb2 as pb
+from jitney.worker.config import WorkerConfig
+from jitney.worker.model import ModelConfig
+from jitney.worker.plan import PlanError
+from jitney.worker.runner import ModelRunner
+from jitney.worker.sharding import Shard, check_shardable, local_config, shard_tensor
+from tests.test_runner import BLOCK, NUM_BLOCKS, PROMPTS, Driver
+
+LOGITS_ATOL = 1e-5
+
+
+def _config(model: str, rank: int = 0, size: int = 1, port: int = 0) -> WorkerConfig:
+    return WorkerConfig(model=model, dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                        max_num_batched_tokens=64, max_num_seqs=8, use_weights_cache=False,
+                        tp_rank=rank, tp_size=size, dist_init=f"tcp://127.0.0.1:{port}" if size > 1 else None,
+                        dist_timeout=120)
+
+
+def scenario(runner: ModelRunner) -> dict[str, Any]:
+    """Chunked prefill beside decodes, a refused plan, a preemption with recompute,
+    greedy and seeded random rows: every sampled token and every sampled row's logits."""
+    logits: list[list[float]] = []
+    sample = runner._sample
+
+    def capture(step: Any, rows: torch.Tensor, *masks: Any) -> Any:
+        logits.extend(rows.tolist())
+        return sample(step, rows, *masks)
+
+    runner._sample = capture  # type: ignore[method-assign]
+    driver = Driver(runner)
+    driver.add(1, PROMPTS[1])
+    driver.add(2, PROMPTS[2], temperature=0.8, seed=5)
+    driver.add(3, PROMPTS[3])
+    driver.generate([1, 2], steps=3)
+    for _ in range(5):                                  # seq 3's 23 prompt tokens in chunks of 5, beside decodes
+        driver.step({1: 1, 2: 1, 3: 5})
+    refused = False
+    try:                                                # an unknown sequence: refused on every rank, nothing changed
+        runner.execute(epb.StepPlan(step_id=999, chunks=[epb.ScheduledChunk(seq_id=77, start_position=0,
+                                                                            token_ids=[1], sample=True)]))
+    except PlanError:
+        refused = True
+    driver.preempt(1)                                   # freed and recomputed in two chunks
+    driver.step({1: 9, 2: 1, 3: 1}, freed=(1,))
+    driver.generate([1, 2, 3], steps=6)
+    return {"tokens": {sid: seq.tokens for sid, seq in driver.seqs.items()}, "logits": logits, "refused": refused}
+
+
+def _rank_main(rank: int, port: int, models: list[str], out: str) -> None:
+    """One rank of a two-rank group (run in its own process): rank 0 drives the
+    scenario for each model and writes what it saw; rank 1 follows."""
+    from jitney.worker import parallel
+    from jitney.worker.watchdog import Watchdog
+
+    torch.set_num_threads(1)
+    group = parallel.init_group(_config(models[0], rank, 2, port))
+    assert group is not None
+    results = []
+    for model in models:
+        runner = ModelRunner(_config(model, rank, 2, port), group=group)
+        if rank == 0:
+            results.append(scenario(runner))
+            group.shutdown()                # ends this model's follower loop
+        else:
+            parallel.follow(runner, group, Watchdog(0))
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("tp")
+    return [str(make_tiny_llama(root / "llama")), str(make_tiny_qwen2(root / "qwen2"))]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(models: list[str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("tp-out") / "rank0.json"
+    port = free_port()
+    code = "import sys; from tests.test_tensor_parallel import _rank_main; _rank_main(int(sys.argv[1]), {}, {!r}, {!r})"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(port, models, str(out)), str(rank)], cwd=ROOT,
+                              env=env) for rank in (0, 1)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    results: list[dict[str, Any]] = json.loads(out.read_text())
+    return results
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["llama-gqa", "qwen2-qkv-bias-tied"])
+def test_two_ranks_match_one(models: list[str], two_ranks: list[dict[str, Any]], which: int) -> None:
+    torch.set_num_threads(1)
+    alone = json.loads(json.dumps(scenario(ModelRunner(_config(models[which])))))   # str keys, as the ranks'
+    split = two_ranks[which]
+    assert alone["refused"] and split["refused"]
+    assert split["tokens"] == alone["tokens"]
+    assert len(split["logits"]) == len(alone["logits"]) > 30
+    torch.testing.assert_close(torch.tensor(split["logits"]), torch.tensor(alone["logits"]),
+                               atol=LOGITS_ATOL, rtol=0)
+
+
+def test_shards_cover_each_tensor_once() -> None:
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5, rope_theta=1e4)
+    shapes = {"self_attn.q_proj": (16, 16), "self_attn.k_proj": (8, 16), "self_attn.v_proj": (8, 16),
+              "mlp.gate_proj": (24, 16), "mlp.up_proj": (24, 16), "self_attn.o_proj": (16, 16),
+              "mlp.down_proj": (16, 24)}
+    for module, shape in shapes.items():
+        for leaf in ("weight", "bias"):
+            name = f"model.layers.0.{module}.{leaf}"
+            full = torch.randn(shape if leaf == "weight" else shape[:1])
+            parts = [shard_tensor(name, full, cfg, Shard(r, 2)) for r in range(2)]
+            if module.endswith(("o_proj", "down_proj")) and leaf == "bias":   # added once: on rank 0
+                assert torch.equal(parts[0], full) and not parts[1].any()
+            else:
+                dim = 1 if module.endswith(("o_proj", "down_proj")) else 0
+                assert torch.equal(torch.cat(parts, dim=dim), full), name
+    norm = torch.randn(16)
+    assert shard_tensor("model.layers.0.input_layernorm.weight", norm, cfg, Shard(1, 2)) is norm
+    assert (local_config(cfg, 2).num_heads, local_config(cfg, 2).num_kv_heads,
+            local_config(cfg, 2).intermediate_size) == (2, 1, 12)
+    with pytest.raises(ValueError, match=r"KV heads \(2\).*divisible by 4"):
+        check_shardable(cfg, 4)
+
+
+def _rank_pid(server_pid: int, rank: int) -> int:
+    for child in psutil.Process(server_pid).children(recursive=True):
+        cmd = child.cmdline()
+        if "--tp-rank" in cmd and cmd[cmd.index("--tp-rank") + 1] == str(rank):
+            return int(child.pid)
+    raise LookupError(f"no rank {rank} under {server_pid}")
+
+
+def test_serve_restarts_the_group_when_a_rank_dies(models: list[str], tmp_path: Path) -> None:
+    args = ["--model", models[0], "--tensor-parallel-size", "2", "--dtype", "float32", "--num-blocks", "64",
+            "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--threads", "1"]
+    prompt = pb.GenerationParams(token_ids=pb.TokenIds(ids=[5, 17, 42, 99]),
+                                 sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True))
+    with running_server(args, tmp_path) as server:
+        stub = server.stub()
+        before = list(stub.Generate(pb.GenerateRequest(params=prompt), timeout=60).token_ids)
+        assert len(before) == 8
+        first = server.stats()
+        # A request in flight when rank 1 dies ends UNAVAILABLE.
+        long = pb.GenerationParams(token_ids=pb.TokenIds(ids=[5, 17]),
+                                   sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+        call = stub.GenerateStream(pb.GenerateStreamRequest(params=long), timeout=60)
+        next(call)
+        os.kill(_rank_pid(server.proc.pid, 1), signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as failed:
+            for _ in call:
+                pass
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                stats = server.stats()
+                if stats.worker_restarts >= 1 and stats.worker_pid not in (0, first.worker_pid):
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.3)
+        after = list(stub.Generate(pb.GenerateRequest(params=prompt), timeout=60).token_ids)
+        assert after == before                          # the new group serves the same greedy tokens
+        assert "stopped the group" in server.log()
