@@ -4,6 +4,7 @@ before its Ready backs off and, past the limit, stops `jitney serve`."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,3 +82,36 @@ def test_a_standby_takes_over_at_once_and_another_starts_behind_it(
     deaths = [t + 1.5 for t in [starts[0]] + activations[:-1]]   # each serving worker lives 1.5 s
     for died, took_over in zip(deaths, activations):
         assert took_over - died < 1.0, (died, took_over)
+
+
+# A stand-in rank: logs "start <rank> <pid> <time>", rank 0 says Ready; rank 1 dies
+# after a while in the first group only (its log line marks the group), the rest live on.
+RANK = f"""
+import os, sys, time
+args = sys.argv[sys.argv.index("--tp-rank") + 1:]
+rank, log = int(args[0]), sys.argv[1]
+with open(log, "a") as f:
+    f.write(f"start {{rank}} {{os.getpid()}} {{time.monotonic()}}\\n")
+starts = sum(1 for line in open(log) if line.startswith("start 1 "))
+if rank == 0:
+    fd = int(os.environ["{READY_FD_ENV}"])
+    os.write(fd, b"r")
+    os.close(fd)
+    time.sleep(60)
+time.sleep(0.5 if starts == 1 else 60)
+sys.exit(4)
+"""
+
+
+def test_a_tensor_parallel_group_is_restarted_whole_when_one_rank_dies(tmp_path: Path) -> None:
+    log = tmp_path / "ranks"
+    scheduler = [sys.executable, "-c", "import time; time.sleep(4)"]
+    worker = [sys.executable, "-c", RANK, str(log)]
+    code = _Supervisor(scheduler, worker, 1, drain_seconds=1.0, standby=True, tp_size=2).run()
+    assert code == 0
+    starts = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(rank for _, rank, _, _ in starts) == ["0", "0", "1", "1"], starts   # two groups, no standby
+    first_rank0 = next(int(pid) for _, rank, pid, _ in starts if rank == "0")
+    # The first group's rank 0 was alive when rank 1 died: the supervisor killed it.
+    with pytest.raises(ProcessLookupError):
+        os.kill(first_rank0, 0)

@@ -199,3 +199,27 @@ def test_serve_restarts_the_group_when_a_rank_dies(models: list[str], tmp_path: 
         after = list(stub.Generate(pb.GenerateRequest(params=prompt), timeout=60).token_ids)
         assert after == before                          # the new group serves the same greedy tokens
         assert "stopped the group" in server.log()
+
+
+def test_compose_tp2_profile_is_one_scheduler_and_two_ranks() -> None:
+    import yaml
+
+    from jitney.cli import build_parser
+
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    tp2 = {name for name, svc in services.items() if "tp2" in svc.get("profiles", [])}
+    assert tp2 == {"scheduler-tp2", "tp-rank-0", "tp-rank-1"}
+    parse = build_parser().parse_args
+    sched = parse(services["scheduler-tp2"]["command"][1:])
+    commands = [list(services[f"tp-rank-{r}"]["command"][1:]) for r in (0, 1)]
+    models = []
+    for c in commands:   # the model is a path inside the containers: not parsed here
+        at = c.index("--model")
+        models.append(c[at + 1])
+        del c[at:at + 2]
+    assert models[0] == models[1]
+    ranks = [parse(c) for c in commands]
+    assert [(ns.command, ns.tp_rank, ns.tp_size) for ns in ranks] == [("worker", 0, 2), ("worker", 1, 2)]
+    assert ranks[0].dist_init == ranks[1].dist_init == "tcp://tp-rank-0:29500"
+    assert ranks[0].plan_addr == "tcp://scheduler-tp2:" + sched.plan_addr.rsplit(":", 1)[1]
+    assert ranks[0].curve_keys and sched.curve_keys and ranks[1].plan_addr is None
