@@ -162,7 +162,7 @@ def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace)
 
         return run_worker(WorkerConfig.from_namespace(ns))
     from jitney.common.zmq_security import load_client_keys, load_server_keys
-    from jitney.scheduler.supervisor import child_argv, supervise
+    from jitney.scheduler.supervisor import child_argv, supervise, tensor_parallel_problem
 
     if ns.curve_keys:      # both children read this folder: check it before either starts
         load_server_keys(ns.curve_keys)
@@ -173,6 +173,9 @@ def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace)
     if tp_size > 1 and ns.standby_worker:
         print("jitney serve: --standby-worker is not available with --tensor-parallel-size > 1",
               file=sys.stderr, flush=True)
+        return 2
+    if problem := tensor_parallel_problem(ns.model, tp_size):
+        print(f"jitney serve: {problem}", file=sys.stderr, flush=True)
         return 2
     standby = ns.standby_worker if ns.standby_worker is not None else ns.device == "cpu" and tp_size == 1
     return supervise(child_argv(sub["scheduler"], ns), child_argv(sub["worker"], ns),

@@ -41,6 +41,7 @@ another N processes' shards and rendezvous.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
 
@@ -73,6 +75,23 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the model over N worker processes (one torch.distributed group: gloo on "
                              "the CPU, NCCL on CUDA with one GPU per rank); its heads and MLP are split N ways "
                              "and any rank's death restarts the group (default 1; no standby worker when > 1)")
+
+
+def tensor_parallel_problem(model: str | None, size: int) -> str | None:
+    """Why a Hugging Face model folder's heads or MLP do not split ``size`` ways,
+    from its config.json, before any process starts; None when they do or when
+    there is no folder to read (a GGUF file: the worker checks, and refuses)."""
+    config = Path(model) / "config.json" if model else None
+    if size == 1 or config is None or not config.is_file():
+        return None
+    hf = json.loads(config.read_text())
+    heads = hf.get("num_attention_heads", 0)
+    sizes = {"attention heads": heads, "KV heads": hf.get("num_key_value_heads") or heads,
+             "MLP intermediate size": hf.get("intermediate_size", 0)}
+    bad = [f"{what} ({value})" for what, value in sizes.items() if value % size]
+    if not bad:
+        return None
+    return f"tensor parallelism over {size} ranks needs the model's {', '.join(bad)} to be divisible by {size}"
 
 
 def _positive_int(text: str) -> int:

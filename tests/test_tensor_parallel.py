@@ -223,3 +223,12 @@ def test_compose_tp2_profile_is_one_scheduler_and_two_ranks() -> None:
     assert ranks[0].dist_init == ranks[1].dist_init == "tcp://tp-rank-0:29500"
     assert ranks[0].plan_addr == "tcp://scheduler-tp2:" + sched.plan_addr.rsplit(":", 1)[1]
     assert ranks[0].curve_keys and sched.curve_keys and ranks[1].plan_addr is None
+
+
+def test_serve_refuses_a_model_whose_heads_do_not_split(tmp_path: Path) -> None:
+    model = make_tiny_llama(tmp_path / "m", num_heads=4, num_kv_heads=2)
+    done = subprocess.run([sys.executable, "-m", "jitney.cli", "serve", "--model", str(model),
+                           "--tensor-parallel-size", "4", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2
+    assert "KV heads (2) to be divisible by 4" in done.stderr
