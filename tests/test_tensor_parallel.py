@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -47,7 +48,8 @@ def _config(model: str, rank: int = 0, size: int = 1, port: int = 0) -> WorkerCo
 
 def scenario(runner: ModelRunner) -> dict[str, Any]:
     """Chunked prefill beside decodes, a refused plan, a preemption with recompute,
-    greedy and seeded random rows: every sampled token and every sampled row's logits."""
+    a masked step, greedy and seeded random rows: every sampled token and every
+    sampled row's logits."""
     logits: list[list[float]] = []
     sample = runner._sample
 
@@ -71,8 +73,30 @@ def scenario(runner: ModelRunner) -> dict[str, Any]:
         refused = True
     driver.preempt(1)                                   # freed and recomputed in two chunks
     driver.step({1: 9, 2: 1, 3: 1}, freed=(1,))
-    driver.generate([1, 2, 3], steps=6)
+    driver.generate([1, 2, 3], steps=4)
+    _masked_step(runner, driver)
+    driver.generate([1, 2, 3], steps=2)
     return {"tokens": {sid: seq.tokens for sid, seq in driver.seqs.items()}, "logits": logits, "refused": refused}
+
+
+def _masked_step(runner: ModelRunner, driver: Driver) -> None:
+    """One step in which seq 3 may only draw ids < 100 (a grammar's mask): the
+    masks reach rank 0 alone, the other ranks run the plan without them."""
+    words = np.zeros(-(-runner.limits.vocab_size // 32), dtype="<i4")
+    words[:3], words[3] = -1, 0xF
+    execute = runner.execute
+
+    def masked(plan: epb.StepPlan, wait_for_masks: Any = None) -> epb.StepResult:
+        for chunk in plan.chunks:
+            chunk.masked = chunk.seq_id == 3
+        return execute(plan, lambda step_id: epb.StepMasks(step_id=step_id, seq_ids=[3], bitmask=words.tobytes()))
+
+    runner.execute = masked  # type: ignore[method-assign]
+    try:
+        out = driver.step({1: 1, 2: 1, 3: 1})
+    finally:
+        runner.execute = execute  # type: ignore[method-assign]
+    assert out[3] < 100
 
 
 def _rank_main(rank: int, port: int, models: list[str], out: str) -> None:

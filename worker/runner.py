@@ -213,7 +213,7 @@ class ModelRunner:
             self._relay(plan)
         new_states = validate_plan(plan, {} if plan.reset else self.sequences, self.limits)
         masked = [c.seq_id for c in plan.chunks if c.masked]
-        if masked and wait_for_masks is None:
+        if masked and wait_for_masks is None and self.samples:   # (the other ranks never read masks)
             raise PlanError(f"step {plan.step_id}: masked chunks, but no masks to wait for")
         if plan.reset:
             self._forget_all()
