@@ -15,7 +15,7 @@ greedy, ignore_eos, exactly max_tokens) and reads the replicas' own
 prefix-cache counters: hit rate = hit tokens / queried tokens, summed.
 
 Workloads: the file given, and (unless ``--groups 0``) a generated one with
-``--groups`` distinct 384-token prefixes, four requests each, interleaved:
+``--groups`` distinct 384-token prefixes, four requests each, shuffled:
 prefix-64 shares one prefix by all requests, so any policy computes it once
 per replica; with many prefixes, where a request goes decides whether its
 prefix is computed again.
@@ -47,15 +47,19 @@ SETUPS = ("single", "cache-aware", "round-robin")
 
 def grouped_workload(groups: int, per_group: int = 4, prefix_len: int = 384, seed: int = 0) -> list[WorkItem]:
     """``groups`` prefixes of ``prefix_len`` tokens, ``per_group`` requests each,
-    interleaved (request i has prefix i % groups), all arriving at 0; bodies
-    and outputs drawn like ../shared/bench/workload.py's (medians 64 and 32)."""
+    in a seeded random order, all arriving at 0; bodies and outputs drawn like
+    ../shared/bench/workload.py's (medians 64 and 32). (Not interleaved in
+    turn: with an even number of groups, round-robin over two replicas would
+    then send every group to one replica by accident.)"""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100, 49000) for _ in range(prefix_len)] for _ in range(groups)]
+    order = [g for g in range(groups) for _ in range(per_group)]
+    rng.shuffle(order)
     items = []
-    for i in range(groups * per_group):
+    for i, group in enumerate(order):
         body = [rng.randrange(100, 49000) for _ in range(int(min(256, max(8, rng.lognormvariate(4.16, 0.8)))))]
         out = int(min(128, max(4, rng.lognormvariate(3.47, 0.9))))
-        items.append(WorkItem(f"g{i:04d}", 0.0, prefixes[i % groups] + body, out))
+        items.append(WorkItem(f"g{i:04d}", 0.0, prefixes[group] + body, out))
     return items
 
 
