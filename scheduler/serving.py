@@ -76,7 +76,9 @@ class Lifecycle:
               f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, step budget "
               f"{engine.config.max_num_batched_tokens} tokens, {engine.config.max_num_seqs} seats, "
               f"warm-up {ready.warmup_seconds:.1f} s, batch-invariant {'on' if ready.batch_invariant else 'off'}, "
-              f"worker pid {ready.worker_pid}", flush=True)
+              f"worker pid {ready.worker_pid}"
+              + (f", tensor-parallel over {ready.tensor_parallel_size} ranks" if ready.tensor_parallel_size > 1 else ""),
+              flush=True)
         return engine
 
     async def _serve(self, engine: Engine) -> bool:

@@ -222,7 +222,7 @@ def test_serve_restarts_the_group_when_a_rank_dies(models: list[str], tmp_path: 
             time.sleep(0.3)
         after = list(stub.Generate(pb.GenerateRequest(params=prompt), timeout=60).token_ids)
         assert after == before                          # the new group serves the same greedy tokens
-        assert "stopped the group" in server.log()
+        assert "stopped the group" in server.log() and "tensor-parallel over 2 ranks" in server.log()
 
 
 def test_compose_tp2_profile_is_one_scheduler_and_two_ranks() -> None:
