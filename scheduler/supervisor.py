@@ -41,7 +41,6 @@ another N processes' shards and rendezvous.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -52,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jitney.common import model_files
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
 
 STOP_GRACE_SECONDS = 10.0
@@ -78,16 +78,15 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tensor_parallel_problem(model: str | None, size: int) -> str | None:
-    """Why a Hugging Face model folder's heads or MLP do not split ``size`` ways,
-    from its config.json, before any process starts; None when they do or when
-    there is no folder to read (a GGUF file: the worker checks, and refuses)."""
-    config = Path(model) / "config.json" if model else None
-    if size == 1 or config is None or not config.is_file():
+    """Why the model's heads or MLP do not split ``size`` ways (a folder's config.json, a GGUF
+    file's metadata, the bundled default's too), before any process starts; None when they do,
+    or when the model cannot be resolved here (the worker then reports that)."""
+    if size == 1:
         return None
-    hf = json.loads(config.read_text())
-    heads = hf.get("num_attention_heads", 0)
-    sizes = {"attention heads": heads, "KV heads": hf.get("num_key_value_heads") or heads,
-             "MLP intermediate size": hf.get("intermediate_size", 0)}
+    try:
+        sizes = model_files.split_sizes(model_files.resolve_model(model))
+    except (model_files.ModelNotFoundError, OSError, ValueError, KeyError):
+        return None
     bad = [f"{what} ({value})" for what, value in sizes.items() if value % size]
     if not bad:
         return None

@@ -256,3 +256,12 @@ def test_serve_refuses_a_model_whose_heads_do_not_split(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2
     assert "KV heads (2) to be divisible by 4" in done.stderr
+
+
+def test_serve_refuses_the_default_gguf_model_that_does_not_split() -> None:
+    """A GGUF model is checked from its metadata before any process starts: the bundled
+    SmolLM2 (9 heads, 3 KV heads) does not split two ways."""
+    done = subprocess.run([sys.executable, "-m", "jitney.cli", "serve", "--tensor-parallel-size", "2",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2
+    assert "attention heads (9), KV heads (3) to be divisible by 2" in done.stderr

@@ -81,6 +81,27 @@ def resolve_model(path: str | os.PathLike[str] | None) -> ModelFiles:
     )
 
 
+def split_sizes(files: ModelFiles) -> dict[str, int]:
+    """The sizes tensor parallelism splits (attention heads, KV heads, MLP intermediate size),
+    read from a folder's config.json or a GGUF file's metadata (memory-mapped, no tensor read)."""
+    if files.gguf_file is None:
+        hf = json.loads((files.directory / "config.json").read_text())
+        heads = int(hf.get("num_attention_heads", 0))
+        return {"attention heads": heads, "KV heads": int(hf.get("num_key_value_heads") or heads),
+                "MLP intermediate size": int(hf.get("intermediate_size", 0))}
+    import gguf
+
+    fields = gguf.GGUFReader(str(files.directory / files.gguf_file)).fields
+
+    def number(key: str) -> int:
+        return int(fields[key].parts[-1][0]) if key in fields else 0
+
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    heads = number(f"{arch}.attention.head_count")
+    return {"attention heads": heads, "KV heads": number(f"{arch}.attention.head_count_kv") or heads,
+            "MLP intermediate size": number(f"{arch}.feed_forward_length")}
+
+
 def cache_root() -> Path:
     """Where converted models are kept (``--weights-cache`` overrides it for
     the worker): ``$JITNEY_WEIGHTS_CACHE`` or ``~/.cache/jitney/weights``."""
