@@ -33,6 +33,9 @@ def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     from jitney.scheduler.supervisor import add_supervisor_arguments
 
     add_supervisor_arguments(serve)
+    from jitney.worker.config import add_dist_timeout_argument
+
+    add_dist_timeout_argument(serve)   # passed to the ranks of --tensor-parallel-size
     sched = sub.add_parser("scheduler", help="run the scheduler process alone (gRPC + scheduling)")
     add_scheduler_arguments(sched)
     work = sub.add_parser("worker", help="run the worker process alone (model + KV cache)")

@@ -35,3 +35,17 @@ def test_store_false_flags_reach_the_worker_as_given(flags: list[str], expected:
     argv = child_argv(parser, parser.parse_args(flags))
     assert ("--no-weights-cache" in argv) is not expected
     assert WorkerConfig.from_namespace(parser.parse_args(argv)).use_weights_cache is expected
+
+
+def test_serve_passes_dist_timeout_and_skinny_rows_to_its_workers() -> None:
+    """`jitney serve --dist-timeout` reaches the ranks it starts (through `jitney worker`'s flags),
+    as does the worker flag `--skinny-rows`."""
+    from jitney.cli import build_parser
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--dist-timeout", "42", "--skinny-rows", "8"])
+    work = parser._subparsers._group_actions[0].choices["worker"]  # type: ignore[union-attr]
+    argv = child_argv(work, serve)
+    again = WorkerConfig.from_namespace(work.parse_args(argv))
+    assert (again.dist_timeout, again.skinny_rows) == (42.0, 8)
+    assert "--tp-rank" not in argv   # the supervisor adds each rank's own

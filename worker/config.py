@@ -297,7 +297,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dist-init", dest="dist_init", default=None, metavar="tcp://HOST:PORT",
                        help="the group's torch.distributed rendezvous; rank 0 listens on it "
                             "(required with --tp-size > 1)")
-    group.add_argument("--dist-timeout", dest="dist_timeout", type=_positive_float, default=300.0,
-                       metavar="SECONDS",
-                       help="longest wait for the group to form or for one collective (default 300; "
-                            "--hang-timeout ends hangs while serving sooner)")
+    add_dist_timeout_argument(group)
+
+
+def add_dist_timeout_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--dist-timeout``: `jitney worker`'s, and `jitney serve`'s, which passes it to its ranks."""
+    parser.add_argument("--dist-timeout", dest="dist_timeout", type=_positive_float, default=300.0,
+                        metavar="SECONDS",
+                        help="tensor parallelism: longest wait for the group to form or for one collective "
+                             "(default 300; --hang-timeout ends hangs while serving sooner)")
