@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from bench.gpu import SHAPES, ensure_jitney_importable, log, make_checkpoint, prefill_plans, tokenizer_dir  # noqa: E402
+from bench.gpu import SHAPES, ensure_jitney_importable, log  # noqa: E402
 
 SKINNY_CANDIDATES = [*((bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256) for w, s in ((4, 3), (4, 4), (8, 4))),
                      (16, 512, 4, 3), (16, 512, 4, 4)]
@@ -297,7 +296,6 @@ def render(report: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["1b", "135m"])
-    p.add_argument("--tokenizer", default=None, metavar="DIR")
     p.add_argument("--budget-s", type=float, default=200.0)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, required=True)
@@ -309,14 +307,7 @@ def main() -> int:
                    help="measure nothing: write the tuned file (and --out) from an earlier run's --json")
     args = p.parse_args()
     if args.from_json is not None:
-        from jitney.worker import tuned_configs
-
-        saved = json.loads(args.from_json.read_text())
-        saved["tuned"] = choose(saved)
-        args.tuned_dir.mkdir(parents=True, exist_ok=True)
-        (args.tuned_dir / tuned_configs.file_name(saved["card"])).write_text(json.dumps(saved["tuned"], indent=1) + "\n")
-        args.out.write_text(render(saved))
-        args.json.write_text(json.dumps(saved, indent=1))
+        write_outputs(json.loads(args.from_json.read_text()), args)
         return 0
     if args.smoke:
         global DEVICE, SKINNY_CANDIDATES, ATTENTION_CANDIDATES, DECODE_ATTENTION_CANDIDATES, ROWS, PREFILL_TOKENS
@@ -325,43 +316,39 @@ def main() -> int:
         DECODE_ATTENTION_CANDIDATES, ROWS = DECODE_ATTENTION_CANDIDATES[:2], (1, 2)
     ensure_jitney_importable()
     import datetime
-    import tempfile
 
     import torch
     import triton
 
-    from jitney.worker import tuned_configs
-
     started = time.monotonic()
-    deadline = started + args.budget_s
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke)"
     report: dict[str, Any] = {"card": card, "torch": torch.__version__, "triton": triton.__version__,
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-    def save() -> None:
+    # Each section measures until its share of the budget is spent; one that fails is logged and the rest run.
+    sections = (("skinny", "skinny linears", sweep_skinny, 0.4), ("attention", "attention", sweep_attention, 0.75))
+    for name, title, sweep, share in sections:
+        if name in args.skip:
+            continue
+        log(f"== {title}")
+        try:
+            sweep(args.shapes, report, started + share * args.budget_s)
+        except Exception as exc:  # noqa: BLE001
+            log(f"!! {name}: {type(exc).__name__}: {exc}")
         report["elapsed_s"] = time.monotonic() - started
-        tuned = report["tuned"] = choose(report)
-        args.tuned_dir.mkdir(parents=True, exist_ok=True)
-        (args.tuned_dir / tuned_configs.file_name(card)).write_text(json.dumps(tuned, indent=1) + "\n")
-        args.json.write_text(json.dumps(report, indent=1))
-        args.out.write_text(render(report))
-
-    if "skinny" not in args.skip:
-        log("== skinny linears")
-        try:
-            sweep_skinny(args.shapes, report, started + 0.4 * args.budget_s)
-        except Exception as exc:  # noqa: BLE001
-            log(f"!! skinny: {type(exc).__name__}: {exc}")
-        save()
-    if "attention" not in args.skip:
-        log("== attention")
-        try:
-            sweep_attention(args.shapes, report, started + 0.75 * args.budget_s)
-        except Exception as exc:  # noqa: BLE001
-            log(f"!! attention: {type(exc).__name__}: {exc}")
-        save()
-    log(f"tuned: {json.dumps(report['tuned'])}")
+        write_outputs(report, args)
+    log(f"tuned: {json.dumps(report.get('tuned', {}))}")
     return 0
+
+
+def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """The tuned file (``choose`` of the report, in ``--tuned-dir``), the report's markdown and its JSON."""
+    from jitney.worker import tuned_configs
+
+    tuned = report["tuned"] = choose(report)
+    args.tuned_dir.mkdir(parents=True, exist_ok=True)
+    (args.tuned_dir / tuned_configs.file_name(report["card"])).write_text(json.dumps(tuned, indent=1) + "\n")
+    args.out.write_text(render(report))
+    args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

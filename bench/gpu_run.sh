@@ -26,7 +26,7 @@ pytests() {  # pytests SECONDS FILE TESTS...
 }
 pytests "$KTESTS_S" tests-kernels.txt ${KTESTS:-tests/test_triton_skinny.py tests/test_triton_fused.py tests/test_triton_kernels.py}
 if [ "$KERNELS_S" != 0 ]; then
-  timeout "$KERNELS_S" python3 bench/gpu_kernels.py --tokenizer .device-kit/tok --budget-s $((KERNELS_S - 20)) \
+  timeout "$KERNELS_S" python3 bench/gpu_kernels.py --budget-s $((KERNELS_S - 20)) \
     --out "$OUT/kernels.md" --json "$OUT/kernels.json" --tuned-dir "$OUT/tuned" > "$OUT/kernels-log.txt" 2>&1
   echo "kernels exit $?" >> "$OUT/kernels-log.txt"; tail -4 "$OUT/kernels-log.txt"
   export JITNEY_TUNED_CONFIGS=$OUT/tuned

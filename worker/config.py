@@ -8,6 +8,7 @@ written back into it.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,8 @@ DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
 AttentionBackendName = Literal["auto", "torch", "triton"]
 ATTENTION_BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
+# The most token rows of a skinny linear launch (``triton_skinny.MAX_ROWS``).
+MAX_SKINNY_ROWS = 64
 # Shortest watchdog timeout: an idle worker's loop waits up to 1 s for a message.
 MIN_HANG_TIMEOUT = 2.0
 
@@ -139,8 +142,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.skinny_rows is not None and not 0 <= self.skinny_rows <= 64:
-            raise ValueError(f"skinny_rows must be in [0, 64], got {self.skinny_rows}")
+        if self.skinny_rows is not None and not 0 <= self.skinny_rows <= MAX_SKINNY_ROWS:
+            raise ValueError(f"skinny_rows must be in [0, {MAX_SKINNY_ROWS}], got {self.skinny_rows}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError("kv_cache_gib must be > 0")
         if self.hang_timeout != 0 and not MIN_HANG_TIMEOUT <= self.hang_timeout < float("inf"):
@@ -172,14 +175,23 @@ class WorkerConfig:
         return cls(**values)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (no upper bound when ``high`` is None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_in(1)
+_non_negative_int = _int_in(0)
+_skinny_rows = _int_in(0, MAX_SKINNY_ROWS)
 
 
 def _positive_float(text: str) -> float:
@@ -199,16 +211,6 @@ def _hang_timeout(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if value != 0 and not MIN_HANG_TIMEOUT <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 (off) or a finite number >= {MIN_HANG_TIMEOUT:g}, got {text}")
-    return value
-
-
-def _skinny_rows(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"must be in [0, 64], got {text}")
     return value
 
 
@@ -273,16 +275,6 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: $JITNEY_WEIGHTS_CACHE or ~/.cache/jitney/weights)")
     group.add_argument("--no-weights-cache", dest="use_weights_cache", action="store_false",
                        help="always convert the model from its files; write no cache")
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

@@ -131,7 +131,7 @@ class ModelRunner:
         loaded = time.perf_counter()
         cfg = self.model.config
         # The card's measured launch choices, if any, before any kernel is built or tile map sized.
-        _, tuned_rows = tuned_configs.apply(self.device, (cfg.num_heads, cfg.num_kv_heads))
+        tuned_rows = tuned_configs.apply(self.device, (cfg.num_heads, cfg.num_kv_heads))
         backend = make_attention_backend(config.attention_backend, self.device, batch_invariant=self.batch_invariant)
         self.model.use_backend(backend, self.facts.context_length)
         self.skinny_rows = skinny_rows(config, self.device, backend.graph_safe, self.batch_invariant, tuned_rows)

@@ -35,11 +35,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from jitney.worker.config import MAX_SKINNY_ROWS
 from jitney.worker.triton_fused import _round, _soft_bf16
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The most rows a skinny launch takes; above it every row block would re-read the weights.
-MAX_ROWS = 64
+MAX_ROWS = MAX_SKINNY_ROWS
 SMEM_BYTES = 160 * 1024   # what a launch's pipeline stages may take (the limit bench/gpu_kernels.py measured under)
 
 

@@ -48,26 +48,24 @@ def find(device_name: str) -> Path | None:
     return None
 
 
-def apply(device: torch.device, heads: tuple[int, int]) -> tuple[Path | None, int | None]:
+def apply(device: torch.device, heads: tuple[int, int]) -> int | None:
     """Apply the tuned launch choices of ``device``'s card (CUDA only) for a model of ``heads``
-    (query heads, kv heads).
+    (query heads, kv heads) -> the file's ``skinny_rows``, or None without one.
 
-    Returns (the file applied or None, its ``skinny_rows`` or None). A file
-    that does not parse is reported and ignored: the built-in choices run.
+    A file that does not parse is reported and ignored: the built-in choices run.
     """
     if device.type != "cuda":
-        return None, None
+        return None
     path = find(torch.cuda.get_device_name(device))
     if path is None:
-        return None, None
+        return None
     try:
-        data = json.loads(path.read_text())
-        rows = apply_data(data, heads)
+        rows = apply_data(json.loads(path.read_text()), heads)
     except (OSError, ValueError, KeyError, TypeError) as err:
         logger.warning("ignoring the tuned kernel configs %s: %s", path, err)
-        return None, None
+        return None
     logger.info("tuned kernel configs: %s", path.name)
-    return path, rows
+    return rows
 
 
 def apply_data(data: dict[str, Any], heads: tuple[int, int]) -> int | None:
