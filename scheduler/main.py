@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jitney.common.arg_types import int_in, positive_int, tcp_port
 from jitney.engine.v1 import engine_pb2
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
@@ -92,12 +93,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     the worker's flags already define (for `jitney serve`)."""
     if with_shared:
         parser.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-        parser.add_argument("--max-num-seqs", type=_positive, default=None,
+        parser.add_argument("--max-num-seqs", type=positive_int, default=None,
                             help="seats: most sequences running at once (default: the worker's)")
-        parser.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+        parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                             help="token budget of one step (default: the worker's)")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    parser.add_argument("--port", type=_port, default=50051, help="gRPC port")
+    parser.add_argument("--port", type=tcp_port, default=50051, help="gRPC port")
     parser.add_argument("--openai-port", type=_port_or_off, default=0, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on --host:PORT; 0 = off (default)")
@@ -115,25 +116,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
         add_link_security_arguments(parser)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
-    return value
-
-
-def _port_or_off(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535) or 0 (off), got {value}")
-    return value
+_port_or_off = int_in(0, 65535, meaning="a TCP port (1-65535) or 0 (off)")
 
 
 async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = None,

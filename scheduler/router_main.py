@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jitney.common.arg_types import non_negative_float, non_negative_int, positive_float, positive_int, tcp_port
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.replicas import MAX_MESSAGE_BYTES, Replica, ReplicaSet, ReplicaTls
@@ -68,16 +69,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
                    help="a Jitney server to route to (repeat once per replica)")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=50050, help="gRPC port (default 50050)")
+    p.add_argument("--port", type=tcp_port, default=50050, help="gRPC port (default 50050)")
     p.add_argument("--policy", choices=POLICIES, default="cache-aware",
                    help="cache-aware: the replica sent the longest prefix of the prompt before, else the "
                         "least loaded; least-loaded; round-robin (default cache-aware)")
-    p.add_argument("--overload-threshold", type=_non_negative_int, default=8, metavar="N",
+    p.add_argument("--overload-threshold", type=non_negative_int, default=8, metavar="N",
                    help="cache-aware: pass over the best-prefix replica when its requests in flight exceed "
                         "the least loaded replica's by more than N (default 8)")
-    p.add_argument("--min-prefix-blocks", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--min-prefix-blocks", type=positive_int, default=1, metavar="N",
                    help="cache-aware: a prefix shorter than N whole KV blocks routes by load (default 1)")
-    p.add_argument("--table-blocks", type=_positive_int, default=262_144, metavar="N",
+    p.add_argument("--table-blocks", type=positive_int, default=262_144, metavar="N",
                    help="cache-aware: most block hashes remembered per replica (also capped by the "
                         "replica's own KV blocks; least recently sent evicted first; default 262144)")
     p.add_argument("--model", default=None,
@@ -85,11 +86,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "are tokenized to route them by prefix (default: the bundled default model)")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="load no tokenizer: text and chat prompts route by load, token-id prompts by prefix")
-    p.add_argument("--health-interval", type=_positive_float, default=1.0, metavar="S",
+    p.add_argument("--health-interval", type=positive_float, default=1.0, metavar="S",
                    help="seconds between health rounds over the replicas (default 1)")
-    p.add_argument("--health-timeout", type=_positive_float, default=2.0, metavar="S",
+    p.add_argument("--health-timeout", type=positive_float, default=2.0, metavar="S",
                    help="deadline of each health, stats and model-info poll (default 2)")
-    p.add_argument("--drain-seconds", type=_non_negative_float, default=30.0,
+    p.add_argument("--drain-seconds", type=non_negative_float, default=30.0,
                    help="on SIGTERM, grace for calls in flight (default 30)")
     door = p.add_argument_group("the router's own door")
     door.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM chain (with --tls-key)")
@@ -185,41 +186,6 @@ def _load_tokenizer(model: str | None) -> Any:
     from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(model), cache_root())
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def run_router(cfg: RouterConfig) -> int:

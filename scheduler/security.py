@@ -33,6 +33,8 @@ from typing import Any
 
 import grpc
 
+from jitney.common.arg_types import positive_int
+
 SHORT_KEY = 16                        # warn below this many characters
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _KEY = re.compile(r"[!-~]+")           # printable ASCII, no spaces
@@ -55,7 +57,7 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="require `authorization: Bearer KEY` (gRPC metadata or HTTP header); one key a "
                         "line, KEY or NAME:KEY, '#' comments; logs and metrics name the key, never show it")
-    g.add_argument("--max-requests-per-key", type=_positive, default=None, metavar="N",
+    g.add_argument("--max-requests-per-key", type=positive_int, default=None, metavar="N",
                    help="most generation requests in flight per API key; beyond: RESOURCE_EXHAUSTED "
                         "(HTTP 429) (default: unlimited; needs --api-key-file)")
 
@@ -240,10 +242,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False         # a name or a wildcard (0.0.0.0, ::): assume the network
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value

@@ -23,6 +23,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from jitney.common.arg_types import int_in, non_negative_float, positive_float, positive_int
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.engine import Engine
 from jitney.scheduler.server import GenerationServicer, ServingState
@@ -155,15 +156,15 @@ async def _until(predicate: Callable[[], bool], interval: float = 0.05) -> None:
 
 def add_production_arguments(parser: Any) -> None:
     """Flags for overload, deadlines, worker faults, draining, metrics, logs."""
-    parser.add_argument("--max-queued-requests", type=_positive_int, default=256,
+    parser.add_argument("--max-queued-requests", type=positive_int, default=256,
                         help="most requests waiting for a seat; beyond: RESOURCE_EXHAUSTED (default 256)")
-    parser.add_argument("--max-queued-tokens", type=_positive_int, default=262_144,
+    parser.add_argument("--max-queued-tokens", type=positive_int, default=262_144,
                         help="most tokens of waiting requests; beyond: RESOURCE_EXHAUSTED (default 262144)")
-    parser.add_argument("--max-request-seconds", type=_positive_float, default=None,
+    parser.add_argument("--max-request-seconds", type=positive_float, default=None,
                         help="server cap on a request's life; the call's deadline applies too (default: none)")
-    parser.add_argument("--worker-timeout", type=_positive_float, default=30.0,
+    parser.add_argument("--worker-timeout", type=positive_float, default=30.0,
                         help="a worker silent this long (no heartbeat, no step reply) is lost (default 30)")
-    parser.add_argument("--drain-seconds", type=_non_negative_float, default=30.0,
+    parser.add_argument("--drain-seconds", type=non_negative_float, default=30.0,
                         help="on SIGTERM, grace for running requests before they are ended (default 30)")
     parser.add_argument("--metrics-port", type=_metrics_port, default=0,
                         help="serve Prometheus /metrics on --host:PORT; 0 = off (default)")
@@ -178,29 +179,4 @@ def production_fields(ns: Any) -> dict[str, Any]:
     return {name: getattr(ns, name) for name in names}
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise ValueError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _metrics_port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError(f"must be a TCP port or 0, got {value}")
-    return value
+_metrics_port = int_in(0, 65535, meaning="a TCP port or 0")

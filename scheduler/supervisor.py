@@ -49,8 +49,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from jitney.common.arg_types import positive_int
 from jitney.common import model_files
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
 
@@ -71,7 +71,7 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                              "fraction of a second when the serving one dies; it costs one more copy "
                              "of the weights in memory (default: on for --device cpu, off for cuda, "
                              "where it would hold a second KV cache's worth of GPU memory)")
-    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
                         help="run the model over N worker processes (one torch.distributed group: gloo on "
                              "the CPU, NCCL on CUDA with one GPU per rank); its heads and MLP are split N ways "
                              "and any rank's death restarts the group (default 1; no standby worker when > 1)")
@@ -91,13 +91,6 @@ def tensor_parallel_problem(model: str | None, size: int) -> str | None:
     if not bad:
         return None
     return f"tensor parallelism over {size} ranks needs the model's {', '.join(bad)} to be divisible by {size}"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:

@@ -8,11 +8,11 @@ written back into it.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from jitney.common.arg_types import int_in, non_negative_int, positive_float, positive_int
 from jitney.common.zmq_security import add_link_security_arguments
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
@@ -175,33 +175,7 @@ class WorkerConfig:
         return cls(**values)
 
 
-def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high] (no upper bound when ``high`` is None)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-    return parse
-
-
-_positive_int = _int_in(1)
-_non_negative_int = _int_in(0)
-_skinny_rows = _int_in(0, MAX_SKINNY_ROWS)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+_skinny_rows = int_in(0, MAX_SKINNY_ROWS)
 
 
 def _hang_timeout(text: str) -> float:
@@ -231,26 +205,26 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="model and KV-cache dtype (default: auto)")
     group.add_argument("--device", choices=DEVICE_CHOICES, default="cpu",
                        help="where the model runs (default: cpu)")
-    group.add_argument("--block-size", dest="block_size", type=_positive_int, default=16,
+    group.add_argument("--block-size", dest="block_size", type=positive_int, default=16,
                        help="tokens per KV-cache block (default: 16)")
     size = group.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", dest="num_blocks", type=_positive_int, default=None,
+    size.add_argument("--num-blocks", dest="num_blocks", type=positive_int, default=None,
                       help="number of KV-cache blocks")
-    size.add_argument("--kv-cache-gib", dest="kv_cache_gib", type=_positive_float, default=None,
+    size.add_argument("--kv-cache-gib", dest="kv_cache_gib", type=positive_float, default=None,
                       help="KV-cache size in GiB (default: 2 on CPU, 90%% of free GPU memory on CUDA)")
     group.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens",
-                       type=_positive_int, default=None,
+                       type=positive_int, default=None,
                        help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")
-    group.add_argument("--max-num-seqs", dest="max_num_seqs", type=_positive_int, default=None,
+    group.add_argument("--max-num-seqs", dest="max_num_seqs", type=positive_int, default=None,
                        help="seats: most sequences running at once (default: 64 on CPU, 256 on CUDA)")
     group.add_argument("--plan-addr", dest="plan_addr", default=None,
                        help="ZeroMQ endpoint to pull step plans from (connect)")
     group.add_argument("--result-addr", dest="result_addr", default=None,
                        help="ZeroMQ endpoint to push results to (connect)")
     add_link_security_arguments(group)
-    group.add_argument("--threads", type=_positive_int, default=None,
+    group.add_argument("--threads", type=positive_int, default=None,
                        help="torch intra-op threads (default: torch's choice)")
-    group.add_argument("--max-model-len", dest="max_model_len", type=_positive_int, default=None,
+    group.add_argument("--max-model-len", dest="max_model_len", type=positive_int, default=None,
                        help="cap on context length (default: the model's)")
     group.add_argument("--hang-timeout", dest="hang_timeout", type=_hang_timeout, default=30.0,
                        metavar="SECONDS",
@@ -281,10 +255,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of one rank of a tensor-parallel group (`jitney worker` only:
     `jitney serve --tensor-parallel-size N` passes them to the ranks it starts)."""
     group = parser.add_argument_group("tensor parallelism")
-    group.add_argument("--tp-rank", dest="tp_rank", type=_non_negative_int, default=0,
+    group.add_argument("--tp-rank", dest="tp_rank", type=non_negative_int, default=0,
                        help="this worker's rank in its tensor-parallel group; rank 0 connects to the scheduler "
                             "and relays plans to the others (default 0)")
-    group.add_argument("--tp-size", dest="tp_size", type=_positive_int, default=1,
+    group.add_argument("--tp-size", dest="tp_size", type=positive_int, default=1,
                        help="ranks in the group: the model's heads and MLP are split N ways (default 1)")
     group.add_argument("--dist-init", dest="dist_init", default=None, metavar="tcp://HOST:PORT",
                        help="the group's torch.distributed rendezvous; rank 0 listens on it "
@@ -294,7 +268,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_dist_timeout_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--dist-timeout``: `jitney worker`'s, and `jitney serve`'s, which passes it to its ranks."""
-    parser.add_argument("--dist-timeout", dest="dist_timeout", type=_positive_float, default=300.0,
+    parser.add_argument("--dist-timeout", dest="dist_timeout", type=positive_float, default=300.0,
                         metavar="SECONDS",
                         help="tensor parallelism: longest wait for the group to form or for one collective "
                              "(default 300; --hang-timeout ends hangs while serving sooner)")
