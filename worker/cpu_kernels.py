@@ -40,7 +40,10 @@ from jitney.worker.cpu_linear import replace_linears
 
 logger = logging.getLogger("jitney.worker")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Every .cpp of csrc/ is one extension; cpu_kernels.cpp defines the
+# ``jitney_cpu`` library, the others add to it (TORCH_LIBRARY_FRAGMENT).
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -62,9 +65,10 @@ def _cpu_tag() -> str:
 
 
 def cache_dir() -> Path:
-    """The build folder for this source, torch version, flag set and CPU."""
+    """The build folder for these sources, torch version, flag set and CPU."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()):
+    parts = [src.name.encode() + src.read_bytes() for src in SOURCES]
+    for part in (*parts, torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()):
         key.update(part)
     root = Path(os.environ.get("JITNEY_KERNEL_CACHE", Path.home() / ".cache" / "jitney" / "kernels"))
     return root / key.hexdigest()[:16]
@@ -83,7 +87,7 @@ def load() -> None:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name="jitney_cpu", sources=[str(SOURCE)], extra_cflags=FLAGS,
+            cpp_extension.load(name="jitney_cpu", sources=[str(src) for src in SOURCES], extra_cflags=FLAGS,
                                extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as err:
