@@ -231,6 +231,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             warmup_seconds=ready.warmup_seconds,
             batch_invariant=ready.batch_invariant,
+            quantization=ready.quantization or "none",
         )
 
     async def GetServerStats(self, request: pb.GetServerStatsRequest,

@@ -73,7 +73,8 @@ class Lifecycle:
         self.servicer.state = ServingState(engine, ready, limits, self.tokenizer)
         self.servicer.refusing = None
         await self.set_health(SERVING)
-        print(f"jitney: ready on {self.address}: {ready.model_name} ({ready.dtype}, {ready.device}), "
+        weights = f", {ready.quantization} weights" if ready.quantization not in ("", "none") else ""
+        print(f"jitney: ready on {self.address}: {ready.model_name} ({ready.dtype}{weights}, {ready.device}), "
               f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, step budget "
               f"{engine.config.max_num_batched_tokens} tokens, {engine.config.max_num_seqs} seats, "
               f"warm-up {ready.warmup_seconds:.1f} s, batch-invariant {'on' if ready.batch_invariant else 'off'}, "

@@ -40,6 +40,7 @@ from bench.invariance_driver import (
 )
 from bench.server_harness import Server
 from bench.tiny_models import make_tiny_llama
+from jitney.worker import cpu_kernels
 from jitney.worker.config import DType, WorkerConfig
 from jitney.worker.runner import ModelRunner
 
@@ -48,6 +49,8 @@ SHAPES: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": ({}, 4),                                                     # hidden 64, 4 heads (2 KV)
     "wide": ({"hidden_size": 256, "num_heads": 8, "num_kv_heads": 4}, 16),  # head_dim 32
 }
+# Shapes run with int8 weights (--quantization int8), outside SHAPES' loops: their own test below.
+INT8_SHAPES: dict[str, tuple[dict[str, Any], int]] = {"tiny-int8": SHAPES["tiny"], "wide-int8": SHAPES["wide"]}
 DTYPES: list[DType] = ["bfloat16", "float32"]
 REF_TOKENS = 8            # the alone runs' length; batched requests ask for at most this many
 THREADS = 1
@@ -92,11 +95,12 @@ class References:
         self.outputs: dict[tuple[str, str, int, Request], Output] = {}
 
     def config(self, shape: str, dtype: DType) -> WorkerConfig:
+        kwargs, block_size = {**SHAPES, **INT8_SHAPES}[shape]
         if shape not in self.models:
-            kwargs, _ = SHAPES[shape]
             self.models[shape] = make_tiny_llama(self.root / shape, **kwargs)
-        return WorkerConfig(model=str(self.models[shape]), dtype=dtype, block_size=SHAPES[shape][1],
-                            num_blocks=1024, max_num_batched_tokens=512, max_num_seqs=64)
+        return WorkerConfig(model=str(self.models[shape]), dtype=dtype, block_size=block_size,
+                            num_blocks=1024, max_num_batched_tokens=512, max_num_seqs=64,
+                            quantization="int8" if shape in INT8_SHAPES else "none")
 
     def runner(self, shape: str, dtype: DType) -> ModelRunner:
         """A fresh runner for a batched run (the references keep their own)."""
@@ -206,6 +210,21 @@ def test_batch_of_n_matches_alone(refs: References, dtype: DType, shape: str, si
     driver, outputs = refs.batched(shape, dtype, 512, waves(requests, {0: range(size)}))
     assert max(s.decodes for s in driver.steps) == size
     check_against_alone(refs, shape, dtype, outputs, f"{dtype} {shape}, {size} at once")
+
+
+@pytest.mark.parametrize("shape", sorted(INT8_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_weights_keep_batch_invariance(refs: References, dtype: DType, shape: str) -> None:
+    """--quantization int8: continuous batching with chunked prompts, two
+    preemptions and prefix-cache hits gives every request its alone run's bits."""
+    runner = refs.runner(shape, dtype)
+    assert runner.ready_message().quantization == "int8"
+    assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.modules())
+    assert isinstance(runner.model.lm_head, cpu_kernels.Int8Linear)
+    requests = mixed_requests(48)
+    _, outputs = refs.batched(shape, dtype, 16, waves(requests, WAVES), two_preemptions)
+    assert all(len(o.samples) == o.request.max_tokens for o in outputs.values())
+    check_against_alone(refs, shape, dtype, outputs, f"{dtype} {shape} int8, budget 16")
 
 
 def test_the_same_schedule_twice_is_bit_identical(refs: References) -> None:

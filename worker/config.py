@@ -17,6 +17,8 @@ from jitney.common.zmq_security import add_link_security_arguments
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 Device = Literal["cpu", "cuda"]
+Quantization = Literal["none", "int8"]
+QUANTIZATION_CHOICES: tuple[Quantization, ...] = ("none", "int8")
 
 DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
@@ -78,6 +80,10 @@ class WorkerConfig:
         linear layers for the Triton batch-invariant matmul
         (``worker/triton_matmul.py``); ``False`` on the CPU uses oneDNN's
         faster but batch-size-dependent kernels.
+      quantization: ``int8``: every linear layer and the logits' head keep
+        int8 weights with one scale per output channel, quantized at load from
+        the model's weights (``cpu_kernels.Int8Linear``, CPU only); the
+        embedding, norms and KV cache keep ``dtype``. ``none``: weights in ``dtype``.
       skinny_rows: steps of at most this many tokens run their linear layers
         through the skinny Triton kernels, with the norms, residual adds and
         SiLU·mul folded in (``worker/triton_skinny.py``): Triton attention
@@ -115,6 +121,7 @@ class WorkerConfig:
     hang_timeout: float = 30.0
     attention_backend: AttentionBackendName = "auto"
     batch_invariant: bool | None = None
+    quantization: Quantization = "none"
     skinny_rows: int | None = None
     weights_cache: str | None = None
     use_weights_cache: bool = True
@@ -142,6 +149,10 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only (--device cpu)")
         if self.skinny_rows is not None and not 0 <= self.skinny_rows <= MAX_SKINNY_ROWS:
             raise ValueError(f"skinny_rows must be in [0, {MAX_SKINNY_ROWS}], got {self.skinny_rows}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
@@ -240,6 +251,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a token's results never depend on its batch: the Triton matmul on CUDA (slower); "
                             "--no-batch-invariant lets the CPU use oneDNN's faster kernels "
                             "(default: on for the CPU, off on CUDA)")
+    group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                       help="int8: weight-only int8 linear layers and head, per-channel scales computed at load; "
+                            "about half the weight bytes per step, batch-invariant (CPU only; default: none)")
     group.add_argument("--skinny-rows", dest="skinny_rows", type=_skinny_rows, default=None, metavar="N",
                        help="steps of at most N tokens run the skinny Triton linear kernels (norms, residual "
                             "adds and SiLU folded in); 0 = never (default: measured per device; CUDA only, "

@@ -1,6 +1,6 @@
 """The CPU's batch-invariant kernels (``csrc/cpu_kernels.cpp``), built at first use.
 
-Three operations, registered as ``torch.ops.jitney_cpu``:
+The operations, registered as ``torch.ops.jitney_cpu``:
 
 - ``InvariantLinear``: ``y = x W^T + b`` with W packed once at load; every
   output row is one oneDNN brgemm micro-kernel reduction over the whole of
@@ -14,6 +14,10 @@ Three operations, registered as ``torch.ops.jitney_cpu``:
 - ``silu_mul``: torch's float32 SiLU rounds a vector's tail differently
   from its body, so a row's bits could depend on where it falls; this runs
   the same operations on every element.
+- ``linear_int8`` (``csrc/cpu_int8.cpp``, ``--quantization int8``): int8
+  weights with per-channel scales; the activations enter as two int8 limbs
+  per row and every sum is an exact integer (AMX-INT8 where the CPU has it),
+  so the result is batch-invariant and the same on any CPU.
 
 The source is compiled once per machine with torch's C++ extension tooling
 (a C++ compiler and ninja are needed; the ``ninja`` package is a
@@ -134,6 +138,53 @@ class InvariantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.jitney_cpu.linear(x, self.packed, self.bias, self.out_features, self.out_float)
         return y
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of ``weight (N, K)``: ``(q (N, K) int8, scale (N,) float32)``
+    with ``weight[n] ~ q[n] * scale[n]``, ``|q| <= 127``; an all-zero row gets scale 1 (and q 0)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+class Int8Linear(nn.Module):
+    """``y = x (q * scale)^T + b`` through ``jitney_cpu.linear_int8`` (``csrc/cpu_int8.cpp``):
+    weight-only int8 with per-output-channel scales computed here from
+    ``weight``; x (T, in_features) is bfloat16 or float32, carried into the
+    integer sums as a 16-bit fixed-point copy per row. The sums are exact
+    integers, so a row's result never depends on its batch; AMX-INT8 runs
+    them where the CPU has it (``portable`` forces the plain loops, which
+    give the same bits).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False) -> None:
+        super().__init__()
+        load()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        q, self.scale = quantize_int8(weight)
+        self.packed = torch.ops.jitney_cpu.pack_int8_weight(q)
+        self.bias = bias
+        self.out_float = out_float
+        self.portable = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.jitney_cpu.linear_int8(x, self.packed, self.scale, self.bias, self.in_features,
+                                                           self.out_features, self.out_float, self.portable)
+        return y
+
+
+def int8_uses_amx() -> bool:
+    """Whether ``Int8Linear`` runs on AMX-INT8 here (else the portable loops, far slower)."""
+    load()
+    return bool(torch.ops.jitney_cpu.int8_uses_amx())
+
+
+def use_int8_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by an ``Int8Linear``; return how many."""
+    return replace_linears(model, lambda linear: Int8Linear(linear.weight, linear.bias))
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -195,9 +195,13 @@ def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, tor
     return parsed["tensors"]
 
 
-def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> None:
+def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
+                  quantization: str = "none") -> None:
     """The linear layers and the logits' head (its own weight, or the tied
     embedding's) through the device's kernel:
+
+    - ``quantization`` int8 (the CPU): ``cpu_kernels.Int8Linear``, int8
+      weights quantized here, batch-invariant whatever ``batch_invariant``;
 
     - ``batch_invariant`` on CUDA: the Triton matmul (``triton_matmul.py``);
     - ``batch_invariant`` on the CPU: ``cpu_kernels.InvariantLinear``, the head
@@ -206,7 +210,17 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
       on the number of rows; else torch's ``nn.Linear``.
     """
     head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
-    if batch_invariant and device.type == "cuda":
+    if quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError("--quantization int8 runs on the CPU only")
+        count = cpu_kernels.use_int8_linears(net.model)
+        net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)
+        if cpu_kernels.int8_uses_amx():
+            logger.info("int8 weights: %d linear layers and the head run on AMX-INT8", count)
+        else:
+            logger.warning("int8 weights: %d linear layers and the head run the portable loops: this CPU has no "
+                           "AMX-INT8, so they are much slower than --quantization none (same results)", count)
+    elif batch_invariant and device.type == "cuda":
         try:
             from jitney.worker import triton_matmul
         except ImportError as err:
@@ -227,13 +241,13 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
 
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-    *, batch_invariant: bool = False, weights_cache: WeightsCache | None = None,
+    *, batch_invariant: bool = False, quantization: str = "none", weights_cache: WeightsCache | None = None,
     shard: Shard | None = None, reduce: Reduce = no_reduce,
 ) -> tuple[CausalLM, ModelFacts]:
     """Load ``model`` (path or ``None`` = bundled default) ready to run.
 
-    ``batch_invariant`` swaps the linear layers for batch-invariant ones
-    (``_swap_linears``). With a ``weights_cache``, the config, the facts and
+    ``batch_invariant`` swaps the linear layers for batch-invariant ones,
+    ``quantization`` int8 for int8 ones (``_swap_linears``). With a ``weights_cache``, the config, the facts and
     (for GGUF) the converted tensors come from its entry for these files and
     this dtype, and a miss writes the entry (``weights_cache.py``).
     ``shard``: a tensor-parallel rank's model (its local config and weights,
@@ -276,7 +290,7 @@ def load_model(
     with torch.device("meta"):
         net = CausalLM(local_config(cfg, split.size) if split is not None else cfg, reduce=reduce)
     net.load_weights(state, dtype, device)
-    _swap_linears(net, dtype, device, batch_invariant)
+    _swap_linears(net, dtype, device, batch_invariant, quantization)
     if state:
         logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(state)[:8]))
     logger.info(

@@ -125,7 +125,8 @@ class ModelRunner:
         cache = (WeightsCache(Path(config.weights_cache) if config.weights_cache else cache_root())
                  if config.use_weights_cache else None)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,
-                                            batch_invariant=self.batch_invariant, weights_cache=cache,
+                                            batch_invariant=self.batch_invariant,
+                                            quantization=config.quantization, weights_cache=cache,
                                             shard=group.shard if group else None,
                                             reduce=group.all_reduce if group else no_reduce)
         loaded = time.perf_counter()
@@ -197,6 +198,7 @@ class ModelRunner:
             warmup_seconds=self.warmup_seconds,
             batch_invariant=self.batch_invariant,
             tensor_parallel_size=self.config.tp_size,
+            quantization=self.config.quantization,
         )
 
     @torch.inference_mode()

@@ -1,0 +1,141 @@
+"""Weight-only int8 linears on the CPU (``--quantization int8``, ``csrc/cpu_int8.cpp``).
+
+The kernel's result is defined exactly (integer sums of int8 weights and the
+activations' two int8 limbs, then one float expression), so these tests
+compare it bit for bit with a torch transcription of that definition, across
+row counts (batch invariance), with AMX and with the portable loops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitney.worker import cpu_kernels
+from jitney.worker.config import WorkerConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_float: bool) -> torch.Tensor:
+    """The kernel's definition in torch: limbs, exact integer sums, the final float expression."""
+    q, sw = cpu_kernels.quantize_int8(weight)
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    u = (xf * (1.0 / sx)[:, None]).clamp(-127, 127)
+    h = torch.round(u)
+    low = torch.round((u - h) * 254).clamp(-127, 127)
+    qi = q.to(torch.int64).t()
+    ah, al = h.to(torch.int64) @ qi, low.to(torch.int64) @ qi
+    y = (ah.to(torch.int32).float() + al.to(torch.int32).float() * torch.tensor(1 / 254, dtype=torch.float32))
+    y = y * (sx[:, None] * sw[None, :])
+    if bias is not None:
+        y = y + bias.float()
+    return y if out_float else y.to(x.dtype)
+
+
+SHAPES = [(200, 96), (70, 130), (64, 64), (5, 576), (130, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_its_definition_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int], with_bias: bool) -> None:
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(37, k, generator=gen).to(dtype)
+    x[3] = 0.0  # an all-zero row: scale 1, limbs 0
+    for out_float in (False, True):
+        lin = cpu_kernels.Int8Linear(weight, bias, out_float=out_float)
+        got = lin(x)
+        assert got.dtype == (torch.float32 if out_float else dtype)
+        assert torch.equal(got, reference(x, weight, bias, out_float))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(300, 576, generator=gen) * 0.03).to(dtype)
+    lin = cpu_kernels.Int8Linear(weight, None)
+    x = torch.randn(70, 576, generator=gen).to(dtype)
+    full = lin(x)
+    for rows in (1, 2, 7, 8, 9, 16, 33):
+        for start in (0, 5, 70 - rows):
+            assert torch.equal(lin(x[start:start + rows]), full[start:start + rows]), (rows, start)
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(lin(x), full)
+        finally:
+            torch.set_num_threads(old)
+
+
+def test_amx_and_portable_loops_give_the_same_bits() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(150, 200, generator=gen).to(torch.bfloat16)
+    lin = cpu_kernels.Int8Linear(weight, torch.randn(150, generator=gen).to(torch.bfloat16))
+    x = torch.randn(19, 200, generator=gen).to(torch.bfloat16)
+    fast = lin(x)
+    lin.portable = True
+    assert torch.equal(lin(x), fast)
+    if not cpu_kernels.int8_uses_amx():
+        pytest.skip("no AMX-INT8 here: both calls ran the portable loops")
+
+
+def test_error_is_the_weights_quantization() -> None:
+    """Against the float product, the error stays within the int8 weights' rounding bound."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(256, 512, generator=gen) * 0.02
+    x = torch.randn(16, 512, generator=gen)
+    exact = x @ weight.t()
+    got = cpu_kernels.Int8Linear(weight, None)(x)
+    step = weight.abs().amax(dim=1) / 127  # each weight is off by at most step / 2
+    bound = x.abs().sum(dim=1, keepdim=True) * step[None, :] / 2
+    assert bool(((got - exact).abs() <= bound + 1e-6).all())
+    rel = (got - exact).norm() / exact.norm()
+    assert 0 < rel < 0.01  # typical, not worst case: ~0.3% for Gaussian weights
+
+
+def test_a_non_finite_row_gives_nan_and_spares_the_others() -> None:
+    weight = torch.randn(64, 64)
+    lin = cpu_kernels.Int8Linear(weight, None)
+    x = torch.randn(4, 64)
+    clean = lin(x)
+    x[1, 5] = float("inf")
+    x[2, 0] = float("nan")
+    got = lin(x)
+    assert bool(got[1].isnan().all()) and bool(got[2].isnan().all())
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[3], clean[3])
+
+
+def test_quantize_int8() -> None:
+    w = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [-3.0, 0.001, 3.0]])
+    q, scale = cpu_kernels.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q[0].tolist() == [0, 0, 0] and scale[0].item() == 1.0
+    assert q[1].tolist() == [64, -127, 32] and scale[1].item() == pytest.approx(2 / 127)
+    assert q[2].tolist() == [-127, 0, 127]
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    lin = cpu_kernels.Int8Linear(torch.randn(10, 32), None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        lin(torch.randn(2, 32, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="33 features, the layer takes 32"):
+        lin(torch.randn(2, 33))
+    with pytest.raises(RuntimeError, match="2-D"):
+        lin(torch.randn(32))
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.jitney_cpu.pack_int8_weight(torch.zeros(4, 4))
+    assert lin(torch.zeros(0, 32)).shape == (0, 10)
+
+
+def test_config_refuses_int8_off_the_cpu() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        WorkerConfig(device="cuda", quantization="int8")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        WorkerConfig(quantization="int4")  # type: ignore[arg-type]

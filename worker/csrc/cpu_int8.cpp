@@ -1,0 +1,351 @@
+// Weight-only int8 linear layers for the CPU (--quantization int8).
+//
+// Weights: W (N, K) is stored as int8 q (N, K) with one float32 scale per
+// output channel, W ~ q[n, :] * sw[n] (symmetric, |q| <= 127; computed at
+// load by jitney/worker/cpu_kernels.py).
+//
+// Activations stay (nearly) exact: each row x of the call is written as two
+// int8 limbs against one float32 scale of its own,
+//
+//   sx = max|x| / 127,  u = x * (1 / sx),  h = round(u),  l = round((u - h) * 254),
+//   x ~ sx * (h + l / 254)      (error <= max|x| / 64516 per element),
+//
+// a 16-bit fixed-point copy, far finer than the weights' own int8 rounding.
+// Then both limbs meet the int8 weights in integer arithmetic,
+//
+//   Ah = sum_k h[k] q[n, k],  Al = sum_k l[k] q[n, k]    (int32, exact)
+//   y[n] = ((float) Ah + (float) Al * (1 / 254)) * sx * sw[n] (+ b[n])
+//
+// so the result does not depend on any summation order: it is the same
+// whatever the rows' count, the threads, the CPU's instructions. AMX-INT8
+// (tdpbssd) computes the sums where the CPU has it, with the weights fed
+// straight from memory into the tile unit: a decode step of few rows
+// streams half the bytes of bf16 and widens nothing. Elsewhere a portable
+// loop computes the same integers, and so the same bits (tested).
+//
+// Weight layout, K padded to 64 and N to 64 with zeros: for each column block
+// b of 64, each K chunk c of 64 and each tile t of 16 columns, one 1 KB B tile
+// of 16 rows (K quads) x 64 bytes: byte 4j + i of row p = q[b*64 + t*16 + j,
+// c*64 + 4p + i]. Tiles are stored in (b, c, t) order, the order they stream.
+//
+// Compiled with the other csrc files into the jitney_cpu library.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <immintrin.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define JITNEY_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 64;        // output columns per block
+constexpr int64_t kChunk = 64;       // K values per tile
+constexpr int64_t kTileBytes = 1024;  // one B tile: 16 x 64 int8
+constexpr int64_t kRowsPerBlock = 8;  // activation rows per A tile (two limbs each: 16 tile rows)
+constexpr float kLowScale = 254.0f;
+
+template <typename T> inline float to_float(T v);
+template <> inline float to_float<float>(float v) { return v; }
+template <> inline float to_float<at::BFloat16>(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T> inline T from_float(float f);
+template <> inline float from_float<float>(float f) { return f; }
+template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+}
+
+inline int64_t padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// q (N, K) int8 -> (ceil(N / 64), Kp * 64) int8 in the tile layout above.
+at::Tensor pack_int8_weight(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "the quantized weight must be 2-D int8 (out, in)");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(n > 0 && k > 0, "the quantized weight is empty");
+  const int64_t kp = padded(k, kChunk), blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
+  at::Tensor full = at::zeros({blocks * kCols, kp}, q.options());
+  full.narrow(0, 0, n).narrow(1, 0, k).copy_(q);
+  const int8_t* w = full.data_ptr<int8_t>();
+  at::Tensor out = at::empty({blocks, kp * kCols}, q.options());
+  int8_t* o = out.data_ptr<int8_t>();
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t t = 0; t < 4; ++t) {
+        int8_t* tile = o + ((b * chunks + c) * 4 + t) * kTileBytes;
+        for (int64_t p = 0; p < 16; ++p)
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t i = 0; i < 4; ++i)
+              tile[p * 64 + 4 * j + i] = w[(b * kCols + t * 16 + j) * kp + c * kChunk + 4 * p + i];
+      }
+  return out;
+}
+
+// One activation value -> its two limbs (the scalar form of limbs16 below).
+inline void limb(float v, float inv_s, int8_t* hi, int8_t* lo) {
+  const float u = std::min(std::max(v * inv_s, -127.0f), 127.0f);
+  const float h = std::nearbyint(u);
+  const float l = std::min(std::max(std::nearbyint((u - h) * kLowScale), -127.0f), 127.0f);
+  *hi = static_cast<int8_t>(h);
+  *lo = static_cast<int8_t>(l);
+}
+
+#if defined(__AVX512F__)
+// 16 values at once, the same IEEE operations as limb().
+inline void limbs16(__m512 v, __m512 inv_s, int8_t* hi, int8_t* lo) {
+  const __m512 lim = _mm512_set1_ps(127.0f), neg = _mm512_set1_ps(-127.0f);
+  const __m512 u = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, inv_s), neg), lim);
+  const __m512 h = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 d = _mm512_mul_ps(_mm512_sub_ps(u, h), _mm512_set1_ps(kLowScale));
+  const __m512 l = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                               neg), lim);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+}
+#endif
+
+// The activations as limbs: for each block of 8 rows, 16 rows of kp int8
+// (the 8 high limbs, then the 8 low limbs; missing rows and K past k are 0),
+// and each row's scale.
+template <typename scalar_t>
+void make_limbs(const scalar_t* x, int64_t m, int64_t k, int64_t kp, int8_t* limbs, float* sx) {
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> v(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      const scalar_t* row = x + r * k;
+      for (int64_t i = 0; i < k; ++i) v[i] = to_float(row[i]);
+      float amax = 0.0f;  // the maximum is the same in any order
+      bool finite = true;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 vmax = _mm512_setzero_ps();
+      __mmask16 bad = 0;
+      for (; i + 16 <= k; i += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v.data() + i));
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);  // inf, NaN
+        vmax = _mm512_max_ps(vmax, a);
+      }
+      amax = _mm512_reduce_max_ps(vmax);
+      finite = bad == 0;
+#endif
+      for (; i < k; ++i) {
+        finite = finite && std::isfinite(v[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      if (!finite) {  // the row's outputs are NaN, as a float matmul's would be (limbs stay 0)
+        sx[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const float inv_s = 1.0f / s;
+      sx[r] = s;
+      int8_t* hi = limbs + ((r / kRowsPerBlock) * 16 + r % kRowsPerBlock) * kp;
+      int8_t* lo = hi + kRowsPerBlock * kp;
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 sv = _mm512_set1_ps(inv_s);
+      for (; i + 16 <= k; i += 16) limbs16(_mm512_loadu_ps(v.data() + i), sv, hi + i, lo + i);
+#endif
+      for (; i < k; ++i) limb(v[i], inv_s, hi + i, lo + i);
+    }
+  });
+}
+
+// y[r, col] from the two integer sums: the one float expression both paths share.
+template <typename out_t>
+inline out_t finish(int32_t ah, int32_t al, float sx, float sw, const float* bias, int64_t col) {
+  const float v = (static_cast<float>(ah) + static_cast<float>(al) * (1.0f / kLowScale)) * (sx * sw);
+  return from_float<out_t>(bias ? v + bias[col] : v);
+}
+
+// The portable path: the same integers by plain loops over the same layout.
+template <typename out_t>
+void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                     const float* sw, const float* bias, out_t* y, int64_t n) {
+  const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> acc(16 * kCols);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
+        std::fill(acc.begin(), acc.end(), 0);
+        const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int64_t t = 0; t < 4; ++t) {
+            const int8_t* tile = packed + ((b * chunks + c) * 4 + t) * kTileBytes;
+            for (int64_t row = 0; row < 16; ++row) {
+              const int8_t* ar = a + row * kp + c * kChunk;
+              int32_t* dst = acc.data() + row * kCols + t * 16;
+              for (int64_t p = 0; p < 16; ++p)
+                for (int64_t j = 0; j < 16; ++j)
+                  for (int64_t i = 0; i < 4; ++i)
+                    dst[j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
+            }
+          }
+        const int64_t rows = std::min(kRowsPerBlock, m - r0), col0 = b * kCols;
+        const int64_t cols = std::min(kCols, n - col0);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j)
+            y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
+                                                       sx[r0 + i], sw[col0 + j], bias, col0 + j);
+      }
+    }
+  });
+}
+
+#ifdef JITNEY_AMX
+bool amx_ready() {
+  static const bool ready = [] {
+    // Linux hands out the tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the sums (16 x 16 int32) of a block's four 16-column tiles;
+// 4: the limbs (16 x 64 int8); 5-6: weights (16 x 64 int8), alternating.
+template <typename out_t>
+void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                const float* sw, const float* bias, out_t* y, int64_t n) {
+  const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;
+    for (int t = 0; t < 7; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t acc[16 * kCols];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* wb = packed + b * chunks * 4 * kTileBytes;
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
+        const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int8_t* wt = wb + c * 4 * kTileBytes;
+          _tile_loadd(4, a + c * kChunk, kp);
+          _tile_loadd(5, wt, 64);
+          _tile_dpbssd(0, 4, 5);
+          _tile_loadd(6, wt + kTileBytes, 64);
+          _tile_dpbssd(1, 4, 6);
+          _tile_loadd(5, wt + 2 * kTileBytes, 64);
+          _tile_dpbssd(2, 4, 5);
+          _tile_loadd(6, wt + 3 * kTileBytes, 64);
+          _tile_dpbssd(3, 4, 6);
+        }
+        _tile_stored(0, acc, kCols * sizeof(int32_t));
+        _tile_stored(1, acc + 16, kCols * sizeof(int32_t));
+        _tile_stored(2, acc + 32, kCols * sizeof(int32_t));
+        _tile_stored(3, acc + 48, kCols * sizeof(int32_t));
+        const int64_t rows = std::min(kRowsPerBlock, m - r0), col0 = b * kCols;
+        const int64_t cols = std::min(kCols, n - col0);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j)
+            y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
+                                                       sx[r0 + i], sw[col0 + j], bias, col0 + j);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool uses_amx() {
+#ifdef JITNEY_AMX
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+template <typename scalar_t, typename out_t>
+void run(const at::Tensor& x, int64_t kp, const at::Tensor& packed, const float* sw, const float* bias, at::Tensor& y,
+         bool portable) {
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  at::Tensor limbs = at::zeros({padded(m, kRowsPerBlock) / kRowsPerBlock * 16, kp}, x.options().dtype(at::kChar));
+  std::vector<float> sx(m);
+  make_limbs(x.data_ptr<scalar_t>(), m, k, kp, limbs.data_ptr<int8_t>(), sx.data());
+#ifdef JITNEY_AMX
+  if (!portable && amx_ready()) {
+    linear_amx(limbs.data_ptr<int8_t>(), sx.data(), m, kp, packed.data_ptr<int8_t>(), sw, bias,
+               y.data_ptr<out_t>(), n);
+    return;
+  }
+#endif
+  linear_portable(limbs.data_ptr<int8_t>(), sx.data(), m, kp, packed.data_ptr<int8_t>(), sw, bias,
+                  y.data_ptr<out_t>(), n);
+}
+
+// x (M, K) -> (M, out_features), as described at the top; float32 output
+// when out_float, else x's dtype. ``portable``: skip AMX (for tests).
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
+                       bool out_float, bool portable) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D (rows, in_features)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "int8 linears take bfloat16 or float32 activations, got ", x.scalar_type());
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), "the packed weight must be contiguous int8");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(k == in_features, "x has ", k, " features, the layer takes ", in_features);
+  const int64_t kp = padded(k, kChunk), blocks = padded(n, kCols) / kCols;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == blocks && packed.size(1) == kp * kCols,
+              "packed weight does not match in_features ", k, " and out_features ", n);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(),
+              "scale must be ", n, " contiguous float32 values");
+  at::Tensor xc = x.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* sp = scale.data_ptr<float>();
+  at::Tensor y = at::empty({m, n}, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+  if (m == 0) return y;
+  if (x.scalar_type() == at::kBFloat16) {
+    if (out_float) {
+      run<at::BFloat16, float>(xc, kp, packed, sp, bp, y, portable);
+    } else {
+      run<at::BFloat16, at::BFloat16>(xc, kp, packed, sp, bp, y, portable);
+    }
+  } else {
+    run<float, float>(xc, kp, packed, sp, bp, y, portable);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(jitney_cpu, m) {
+  m.def("pack_int8_weight(Tensor q) -> Tensor", &pack_int8_weight);
+  m.def("int8_uses_amx() -> bool", &uses_amx);
+  m.def("linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int in_features, int out_features, "
+        "bool out_float, bool portable=False) -> Tensor", &linear_int8);
+}
