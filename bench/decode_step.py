@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -99,6 +100,14 @@ def measure_prefill(runner: ModelRunner, tokens: int, reps: int) -> tuple[float,
     return statistics.median(model), statistics.median(total)
 
 
+def make_runner(dtype: Any, *, model: str | None = None, invariant: bool = True, prefill: int = 0,
+                max_seqs: int = 256, **config: Any) -> ModelRunner:
+    """The runner these measurements drive; ``config``: further WorkerConfig fields (e.g. quantization)."""
+    return ModelRunner(WorkerConfig(model=model, dtype=dtype, num_blocks=4096,
+                                    max_num_batched_tokens=max(16384, prefill), max_num_seqs=max_seqs,
+                                    batch_invariant=invariant, **config))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
@@ -117,9 +126,8 @@ def main() -> int:
     for dtype in args.dtype:
         for invariant in args.invariant:
             max_seqs = 256
-            runner = ModelRunner(WorkerConfig(model=args.model, dtype=dtype, num_blocks=4096,
-                                              max_num_batched_tokens=max(16384, args.prefill),
-                                              max_num_seqs=max_seqs, batch_invariant=invariant == "on"))
+            runner = make_runner(dtype, model=args.model, invariant=invariant == "on", prefill=args.prefill,
+                                 max_seqs=max_seqs)
             if args.emulate_graphs:
                 runner.graphs = EmulatedGraphs(runner.model, runner.cache, runner.batch, capture_sizes(max_seqs),
                                                capture=False)
