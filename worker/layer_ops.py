@@ -7,10 +7,12 @@ The model calls four operations between its matmuls:
     silu_mul       silu(gate) * up                                  (between the MLP's matmuls)
     rms_norm       the first layer's input norm
 
-``TorchLayerOps`` (the CPU path) is plain torch with the reference models'
-rounding. ``TritonLayerOps`` (with the Triton attention backend) runs each
-as one fused kernel (``triton_fused.py``), so a decode layer is 9 kernels:
-norm, qkv, rope+cache, attention, o_proj, norm, gate_up, silu_mul, down.
+``TorchLayerOps`` is plain torch with the reference models' rounding (the
+CPU's ``--no-batch-invariant`` path, and the reference for the others).
+``InvariantCpuLayerOps`` (the CPU default) and ``TritonLayerOps`` (with the
+Triton attention backend) run each as one kernel (``csrc/cpu_layer.cpp``,
+``triton_fused.py``), so a decode layer is 9 calls: norm, qkv, rope+cache,
+attention, o_proj, norm, gate_up, silu_mul, down.
 Its argument checks run for the first layer of a step only (``checking``);
 the other layers get the same shapes.
 """
@@ -79,17 +81,52 @@ class TorchLayerOps:
 
 
 class InvariantCpuLayerOps(TorchLayerOps):
-    """The CPU's batch-invariant path: SiLU * up through ``cpu_kernels.silu_mul``.
+    """The CPU's batch-invariant path: one C++ call per operation.
 
-    The other operations are row-wise torch ops whose bits do not depend on
-    the batch (``tests/test_cpu_kernels.py`` checks each one at 1 to 513
-    rows). torch's float32 SiLU rounds a vector's tail differently from its
-    body (seen on short tensors), so a row's bits could depend on where the
-    batch's threads split it; the kernel runs the same operations everywhere.
+    ``csrc/cpu_layer.cpp`` (norms, rotary + cache write) and
+    ``cpu_kernels.silu_mul``, so a decode layer is 9 calls like Triton's:
+    norm, qkv, rope+cache, attention, o_proj, add+norm, gate_up, silu_mul,
+    down. Each row's arithmetic depends on that row only (the norm's mean
+    of squares is a fixed-order sum), with the torch reference's rounding
+    points: the rotary and the residual add give its bits, the norm is within
+    rounding of it (the order of its float32 sum differs from torch's).
+    ``add_rms_norm`` works in place, like Triton's: ``x`` becomes the norm,
+    ``residual`` the sum. torch's float32 SiLU rounds a vector's tail
+    differently from its body, hence the SiLU kernel.
+    ``rope_inputs`` stays torch's (cos, sin once per step for all layers).
     """
 
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__(inv_freq)
+        cpu_kernels.load()
+        ops = torch.ops.jitney_cpu
+        self._rms_norm = ops.rms_norm.default
+        self._add_rms_norm = ops.add_rms_norm.default
+        self._rope_and_cache = ops.rope_and_cache.default
+        self._silu_mul = ops.silu_mul.default
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out: torch.Tensor = self._rms_norm(x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self._add_rms_norm(x, residual, weight, eps)  # both in place
+        return x, residual
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.silu_mul(gate_up)
+        out: torch.Tensor = self._silu_mul(gate_up)
+        return out
+
+    def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata, backend: AttentionBackend,
+                       heads: tuple[int, int, int]) -> torch.Tensor:
+        """Rotated q ``(T, nh, d)``; rotated k and v stored at ``meta.slot_mapping``
+        (as ``TorchPagedAttention.write_kv`` stores them; a negative slot stores nothing)."""
+        nh, kvh, d = heads
+        cos, sin = rope
+        q: torch.Tensor = self._rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, nh, kvh, d)
+        return q
 
 
 class TritonLayerOps(TorchLayerOps):

@@ -5,8 +5,9 @@ paged cache, SwiGLU MLP, decoder layer, model. The forward pass takes the
 flattened tokens of a whole fused step; logits are computed separately and
 only at the positions that sample. The elementwise work between the matmuls
 (norms with their residual adds, rotary + cache write, SiLU * up) goes
-through ``layer_ops``: plain torch on the CPU, fused Triton kernels with the
-Triton attention backend.
+through ``layer_ops``: C++ kernels on the CPU's batch-invariant path
+(``csrc/cpu_layer.cpp``), plain torch on ``--no-batch-invariant``'s, fused
+Triton kernels with the Triton attention backend.
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
@@ -249,7 +250,7 @@ class CausalLM(nn.Module):
 
     def use_backend(self, backend: AttentionBackend, max_positions: int) -> None:
         """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops;
-        with the CPU's invariant one, use its SiLU."""
+        with the CPU's invariant one, run them through its C++ kernels (``InvariantCpuLayerOps``)."""
         self.backend = backend
         if backend.graph_safe:
             from jitney.worker.layer_ops import TritonLayerOps
