@@ -56,6 +56,7 @@ constexpr int64_t kChunk = 64;       // K values per tile
 constexpr int64_t kTileBytes = 1024;  // one B tile: 16 x 64 int8
 constexpr int64_t kRowsPerBlock = 8;  // activation rows per A tile (two limbs each: 16 tile rows)
 constexpr float kLowScale = 254.0f;
+constexpr int64_t kPrefetchChunks = 2;  // how far ahead the weights are prefetched, in chunks of 4 KB
 
 template <typename T> inline float to_float(T v);
 template <> inline float to_float<float>(float v) { return v; }
@@ -250,6 +251,10 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; ++c) {
           const int8_t* wt = wb + c * 4 * kTileBytes;
+          if (r0 == 0) {  // the first pass streams the block from memory: ask for it ahead
+            const int8_t* ahead = wt + kPrefetchChunks * 4 * kTileBytes;
+            for (int64_t line = 0; line < 4 * kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+          }
           _tile_loadd(4, a + c * kChunk, kp);
           _tile_loadd(5, wt, 64);
           _tile_dpbssd(0, 4, 5);
