@@ -30,6 +30,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <immintrin.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
@@ -167,7 +168,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 // Range reduction to 2^n * e^r, |r| <= ln2/2, and a degree-6 polynomial:
 // about 2 ulp, written so the compiler vectorises it, and the same bits on
 // every path.
-inline float exp_nonpositive(float x) {
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const bool underflow = !(x > -87.0f);  // also -inf
   const float xc = underflow ? -87.0f : x;
   const float n = std::nearbyint(xc * 1.44269504088896341f);
@@ -306,6 +307,58 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
 // The queries [t0, t1) of one sequence for one kv head. Query t sits at
 // position pos0 + (t - t0) and attends keys [0, position]; its g heads of
 // this kv head are rows (t - t0) * g ... + g - 1.
+#if defined(__AVX512F__)
+// 16 values from the cache as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// r[i] (lanes: columns) -> r[c] (lanes: rows), a 16 x 16 float transpose.
+__attribute__((always_inline)) inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + k], lane L: rows 4g..4g+3 of column 4L + k
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int k = 0; k < 4; ++k) {  // gather the four row groups' lanes of each column
+    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
+    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
+  }
+}
+
+// A whole 16-token cache block of one kv head: K transposed into kt (D, 16)
+// and V into vf (16, D), float32: the values of the scalar loop, vectorised.
+template <typename scalar_t, int64_t D>
+inline void convert_block16(const scalar_t* k, const scalar_t* v, int64_t row_stride, float* kt, float* vf) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = load16(k + j * row_stride + c);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
+  }
+  for (int j = 0; j < 16; ++j)
+    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(vf + j * D + c, load16(v + j * row_stride + c));
+}
+#endif
+
 template <typename scalar_t, int64_t BS, int64_t D>
 void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t kv_head, const AttentionShape& s) {
@@ -326,7 +379,16 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   for (int64_t blk = 0; blk * bs <= last_pos; ++blk) {
     const int64_t base = table[blk] * bs * row_stride + kv_head * d;
     const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
-    for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
+    bool converted = false;
+#if defined(__AVX512F__)
+    if constexpr (BS == 16 && D > 0 && D % 16 == 0) {
+      if (in_block == 16) {  // a whole block: 16 x 16 transposes in registers (the same values)
+        convert_block16<scalar_t, D>(k_cache + base, v_cache + base, row_stride, kt.data(), vf.data());
+        converted = true;
+      }
+    }
+#endif
+    for (int64_t j = 0; j < in_block && !converted; ++j) {  // K transposed (d, bs), V (bs, d), float32
       const scalar_t* kr = k_cache + base + j * row_stride;
       const scalar_t* vr = v_cache + base + j * row_stride;
       for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kr[i]);
