@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -198,23 +199,44 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}".replace("|", "\\|")
 
 
-def run_decode(model: str | None, config: dict[str, Any], batches: Iterable[int], context: int,
-               reps: int) -> dict[str, Any]:
-    """The worker's decode step (``bench/decode_step.py``) at each batch size: median model and execute ms."""
+def run_decodes(model: str | None, configs: dict[str, dict[str, Any]], batches: Iterable[int], context: int,
+                reps: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """The worker's decode step (``bench/decode_step.py``) at each batch size for each of ``configs``:
+    the modes take turns (``rounds`` rounds of every batch size and mode, so the machine's
+    load swings reach them alike); per mode and batch, the median over rounds of model and
+    execute ms (each round's figure is itself the median of ``reps`` steps)."""
     from bench.decode_step import make_runner, measure
 
-    runner = make_runner("auto", model=model, **config)
+    out: dict[str, dict[str, Any]] = {}
+    runners: dict[str, Any] = {}
     try:
-        dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
-        rows = []
-        for batch in batches:
-            model_s, total_s = measure(runner, batch, context, reps)
-            rows.append({"batch": batch, "model_ms": model_s * 1000, "execute_ms": total_s * 1000})
-            print(f"  batch {batch}: model {model_s * 1000:.1f} ms, execute {total_s * 1000:.1f} ms", flush=True)
+        for name, config in configs.items():
+            try:
+                runners[name] = make_runner("auto", model=model, **config)
+            except Exception as err:  # noqa: BLE001 - reported, the other modes go on
+                traceback.print_exc()
+                out[name] = {"error": _reason(err), "config": config}
+        seen: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for _ in range(rounds):
+            for batch in batches:
+                for name, runner in runners.items():
+                    seen.setdefault((name, batch), []).append(measure(runner, batch, context, reps))
+        for name, runner in runners.items():
+            rows = []
+            for batch in batches:
+                got = seen[(name, batch)]
+                rows.append({"batch": batch, "model_ms": statistics.median(m for m, _ in got) * 1000,
+                             "execute_ms": statistics.median(t for _, t in got) * 1000,
+                             "rounds_model_ms": [m * 1000 for m, _ in got]})
+                print(f"  {name} batch {batch}: model {rows[-1]['model_ms']:.1f} ms "
+                      f"(rounds {', '.join(f'{m * 1000:.1f}' for m, _ in got)})", flush=True)
+            dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
+            out[name] = {"dtype": dtype, "context": context, "reps": reps, "rounds": rounds,
+                         "config": configs[name], "rows": rows}
     finally:
-        del runner
+        runners.clear()
         gc.collect()
-    return {"dtype": dtype, "context": context, "reps": reps, "config": config, "rows": rows}
+    return out
 
 
 def limited(path: Path, limit: int | None, workdir: Path) -> Path:
@@ -355,7 +377,8 @@ def render(res: dict[str, Any]) -> str:
     if res.get("llama_note"):
         out += [f"llama.cpp: {res['llama_note']}", ""]
 
-    out += ["## Decode step (`bench/decode_step.py`'s measure: median of its reps, B sequences)", ""]
+    out += ["## Decode step (`bench/decode_step.py`'s measure, B sequences; the modes in turns, median over rounds)",
+            ""]
     decode = res["decode"]
     if not decode:
         out += ["Not run (`--cases` left it out).", ""]
@@ -393,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor-reps", type=int, default=5)
     parser.add_argument("--decode-context", type=int, default=100)
     parser.add_argument("--decode-reps", type=int, default=10)
+    parser.add_argument("--decode-rounds", type=int, default=3,
+                        help="rounds of the decode cases, the modes taking turns (median over rounds)")
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots (-np)")
     parser.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "cpu_floor")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
@@ -409,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         model_flags = ["--model", model, "--num-blocks", "256"]
         args.floor_rows, args.floor_reps = min(args.floor_rows, 64), min(args.floor_reps, 3)
         args.decode_context, args.decode_reps = min(args.decode_context, 16), min(args.decode_reps, 2)
+        args.decode_rounds = 1
     import torch
 
     res: dict[str, Any] = {
@@ -432,15 +458,12 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             res["floor"] = {"error": _reason(err)}
 
-    for name, config in DECODE_CASES.items():
-        if name not in wanted:
-            continue
-        print(f"== {name}: decode step at batch {', '.join(map(str, DECODE_BATCHES))}", flush=True)
-        try:
-            res["decode"][name] = run_decode(model, config, DECODE_BATCHES, args.decode_context, args.decode_reps)
-        except Exception as err:  # noqa: BLE001
-            traceback.print_exc()
-            res["decode"][name] = {"error": _reason(err), "config": config}
+    decode_configs = {name: config for name, config in DECODE_CASES.items() if name in wanted}
+    if decode_configs:
+        print(f"== {', '.join(decode_configs)}: decode step at batch {', '.join(map(str, DECODE_BATCHES))}, "
+              f"{args.decode_rounds} rounds in turns", flush=True)
+        res["decode"].update(run_decodes(model, decode_configs, DECODE_BATCHES, args.decode_context,
+                                         args.decode_reps, args.decode_rounds))
 
     for name, (workload, flags) in SERVER_CASES.items():
         if name not in wanted:

@@ -227,13 +227,19 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: the sums (16 x 16 int32) of a block's four 16-column tiles;
+// Tiles 0-3: the sums (16 x 16 int32) of up to four 16-column tiles;
 // 4: the limbs (16 x 64 int8); 5-6: weights (16 x 64 int8), alternating.
-template <typename out_t>
-void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
-                const float* sw, const float* bias, out_t* y, int64_t n) {
+// A work unit is TILES tiles of one column block: 4 (64 columns) for many
+// rows, 2 (32 columns) for a few, where the units are streamed once and
+// halving them splits small layers evenly between threads. Only the speed
+// depends on it: every column's integer sums are the same either way.
+template <int TILES, typename out_t>
+void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                      const float* sw, const float* bias, out_t* y, int64_t n) {
+  constexpr int64_t kUnitCols = TILES * 16;
   const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t units = blocks * (kCols / kUnitCols);
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     TileConfig cfg;
     for (int t = 0; t < 7; ++t) {
       cfg.rows[t] = 16;
@@ -241,36 +247,45 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
     }
     _tile_loadconfig(&cfg);
     alignas(64) int32_t acc[16 * kCols];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* wb = packed + b * chunks * 4 * kTileBytes;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (kCols / kUnitCols), t0 = (u % (kCols / kUnitCols)) * TILES;
+      const int8_t* wb = packed + (b * chunks * 4 + t0) * kTileBytes;
+      const int64_t col0 = b * kCols + t0 * 16;
+      if (col0 >= n) continue;  // a padding unit
       for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
         const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        if constexpr (TILES == 4) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
         for (int64_t c = 0; c < chunks; ++c) {
           const int8_t* wt = wb + c * 4 * kTileBytes;
-          if (r0 == 0) {  // the first pass streams the block from memory: ask for it ahead
+          if (r0 == 0) {  // the first pass streams the unit from memory: ask for it ahead
             const int8_t* ahead = wt + kPrefetchChunks * 4 * kTileBytes;
-            for (int64_t line = 0; line < 4 * kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+            for (int64_t line = 0; line < TILES * kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
           }
           _tile_loadd(4, a + c * kChunk, kp);
           _tile_loadd(5, wt, 64);
           _tile_dpbssd(0, 4, 5);
           _tile_loadd(6, wt + kTileBytes, 64);
           _tile_dpbssd(1, 4, 6);
-          _tile_loadd(5, wt + 2 * kTileBytes, 64);
-          _tile_dpbssd(2, 4, 5);
-          _tile_loadd(6, wt + 3 * kTileBytes, 64);
-          _tile_dpbssd(3, 4, 6);
+          if constexpr (TILES == 4) {
+            _tile_loadd(5, wt + 2 * kTileBytes, 64);
+            _tile_dpbssd(2, 4, 5);
+            _tile_loadd(6, wt + 3 * kTileBytes, 64);
+            _tile_dpbssd(3, 4, 6);
+          }
         }
         _tile_stored(0, acc, kCols * sizeof(int32_t));
         _tile_stored(1, acc + 16, kCols * sizeof(int32_t));
-        _tile_stored(2, acc + 32, kCols * sizeof(int32_t));
-        _tile_stored(3, acc + 48, kCols * sizeof(int32_t));
-        const int64_t rows = std::min(kRowsPerBlock, m - r0), col0 = b * kCols;
-        const int64_t cols = std::min(kCols, n - col0);
+        if constexpr (TILES == 4) {
+          _tile_stored(2, acc + 32, kCols * sizeof(int32_t));
+          _tile_stored(3, acc + 48, kCols * sizeof(int32_t));
+        }
+        const int64_t rows = std::min(kRowsPerBlock, m - r0);
+        const int64_t cols = std::min(kUnitCols, n - col0);
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < cols; ++j)
             y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
@@ -279,6 +294,16 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
     }
     _tile_release();
   });
+}
+
+template <typename out_t>
+void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                const float* sw, const float* bias, out_t* y, int64_t n) {
+  if (m <= kRowsPerBlock) {
+    linear_amx_units<2>(limbs, sx, m, kp, packed, sw, bias, y, n);
+  } else {
+    linear_amx_units<4>(limbs, sx, m, kp, packed, sw, bias, y, n);
+  }
 }
 #endif
 
