@@ -383,13 +383,15 @@ def render(res: dict[str, Any]) -> str:
     if not decode:
         out += ["Not run (`--cases` left it out).", ""]
     else:
-        out += ["| mode | dtype | context | batch | model ms | execute ms |", "|---|---|---|---|---|---|"]
+        out += ["| mode | dtype | context | batch | model ms | execute ms | model ms, each round |",
+                "|---|---|---|---|---|---|---|"]
         for name, d in decode.items():
             if "error" in d:
-                out.append(f"| {name} | **failed**: {d['error']} | | | | |")
+                out.append(f"| {name} | **failed**: {d['error']} | | | | | |")
                 continue
             out += [f"| {name} | {d['dtype']} | {d['context']} | {r['batch']} | {r['model_ms']:.1f} | "
-                    f"{r['execute_ms']:.1f} |" for r in d["rows"]]
+                    f"{r['execute_ms']:.1f} | {', '.join(f'{v:.1f}' for v in r.get('rounds_model_ms', []))} |"
+                    for r in d["rows"]]
         out.append("")
 
     out += ["## Targets (issue 15, ratios of this run)", "", "| target | goal | value | result |", "|---|---|---|---|"]
