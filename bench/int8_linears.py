@@ -39,8 +39,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for name, n, k, count in SHAPES:
         weights = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(count)]
-        layers = {"bf16": [cpu_kernels.InvariantLinear(w, None) for w in weights],
-                  "int8": [cpu_kernels.Int8Linear(w, None) for w in weights]}
+        layers: dict[str, list[torch.nn.Module]] = {
+            "bf16": [cpu_kernels.InvariantLinear(w, None) for w in weights],
+            "int8": [cpu_kernels.Int8Linear(w, None) for w in weights]}
         x = torch.randn(args.rows, k, generator=gen).to(torch.bfloat16)
         times: dict[str, list[float]] = {"bf16": [], "int8": []}
         for _ in range(args.reps + 1):
