@@ -41,7 +41,9 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define JITNEY_AMX 1

@@ -30,7 +30,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <immintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // the AVX-512 paths below (#if __AVX512F__)
+#endif
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
