@@ -120,6 +120,13 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_streamed(clu
     for t in threads:
         t.start()
     assert first_token.wait(60)
+    # Every request routed before the kill (on a busy machine the threads' calls
+    # trickle in: a late one would simply go to replica 1, never to replica 0).
+    deadline = time.monotonic() + 60
+    while sum(e.routed_requests - s.routed_requests
+              for e, s in zip(cluster.router.stats().replicas, start.replicas)) < 12:
+        assert time.monotonic() < deadline, cluster.router.log()
+        time.sleep(0.01)
     os.killpg(cluster.replicas[0].proc.pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
