@@ -180,7 +180,9 @@ def test_wheel_has_one_top_level_name(installed_wheel: tuple[Path, Path]) -> Non
     assert tops == {"jitney"}
     for module in ("jitney/cli.py", "jitney/scheduler/engine.py", "jitney/worker/runner.py",
                    "jitney/client/client.py", "jitney/v1/generation_pb2.pyi", "jitney/engine/v1/engine_pb2.py",
-                   "jitney/common/model_files.py", "jitney/worker/csrc/cpu_kernels.cpp"):
+                   "jitney/common/model_files.py", "jitney/worker/csrc/cpu_kernels.cpp",
+                   "jitney/worker/csrc/cpu_int8.cpp", "jitney/worker/csrc/cpu_layer.cpp",
+                   "jitney/worker/csrc/convert.h"):
         assert module in names
 
 

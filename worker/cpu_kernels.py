@@ -48,6 +48,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # Every .cpp of csrc/ is one extension; cpu_kernels.cpp defines the
 # ``jitney_cpu`` library, the others add to it (TORCH_LIBRARY_FRAGMENT).
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))      # included by the sources: part of the build's key
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -71,7 +72,7 @@ def _cpu_tag() -> str:
 def cache_dir() -> Path:
     """The build folder for these sources, torch version, flag set and CPU."""
     key = hashlib.sha256()
-    parts = [src.name.encode() + src.read_bytes() for src in SOURCES]
+    parts = [src.name.encode() + src.read_bytes() for src in (*SOURCES, *HEADERS)]
     for part in (*parts, torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()):
         key.update(part)
     root = Path(os.environ.get("JITNEY_KERNEL_CACHE", Path.home() / ".cache" / "jitney" / "kernels"))

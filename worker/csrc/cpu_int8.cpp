@@ -34,6 +34,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "convert.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -60,22 +62,8 @@ constexpr int64_t kRowsPerBlock = 8;  // activation rows per A tile (two limbs e
 constexpr float kLowScale = 254.0f;
 constexpr int64_t kPrefetchChunks = 2;  // how far ahead the weights are prefetched, in chunks of 4 KB
 
-template <typename T> inline float to_float(T v);
-template <> inline float to_float<float>(float v) { return v; }
-template <> inline float to_float<at::BFloat16>(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T> inline T from_float(float f);
-template <> inline float from_float<float>(float f) { return f; }
-template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
-}
+using jitney_cpu::from_float;  // convert.h
+using jitney_cpu::to_float;
 
 inline int64_t padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -179,6 +167,18 @@ inline out_t finish(int32_t ah, int32_t al, float sx, float sw, const float* bia
   return from_float<out_t>(bias ? v + bias[col] : v);
 }
 
+// The outputs of one row block (rows r0.., at most 8) and columns [col0, col0 + cols) from
+// their sums: acc row i holds the high limbs' sums, row i + 8 the low limbs', column j at j.
+template <typename out_t>
+inline void write_block(const int32_t* acc, int64_t r0, int64_t m, int64_t col0, int64_t cols, const float* sx,
+                        const float* sw, const float* bias, out_t* y, int64_t n) {
+  const int64_t rows = std::min(kRowsPerBlock, m - r0);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
+                                                 sx[r0 + i], sw[col0 + j], bias, col0 + j);
+}
+
 // The portable path: the same integers by plain loops over the same layout.
 template <typename out_t>
 void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
@@ -202,12 +202,7 @@ void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp
                     dst[j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
             }
           }
-        const int64_t rows = std::min(kRowsPerBlock, m - r0), col0 = b * kCols;
-        const int64_t cols = std::min(kCols, n - col0);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < cols; ++j)
-            y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
-                                                       sx[r0 + i], sw[col0 + j], bias, col0 + j);
+        write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n);
       }
     }
   });
@@ -286,12 +281,7 @@ void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t k
           _tile_stored(2, acc + 32, kCols * sizeof(int32_t));
           _tile_stored(3, acc + 48, kCols * sizeof(int32_t));
         }
-        const int64_t rows = std::min(kRowsPerBlock, m - r0);
-        const int64_t cols = std::min(kUnitCols, n - col0);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < cols; ++j)
-            y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
-                                                       sx[r0 + i], sw[col0 + j], bias, col0 + j);
+        write_block(acc, r0, m, col0, std::min(kUnitCols, n - col0), sx, sw, bias, y, n);
       }
     }
     _tile_release();

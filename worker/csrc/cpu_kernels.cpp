@@ -36,6 +36,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "convert.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,23 +47,8 @@
 
 namespace {
 
-// Conversions written with bit operations so that loops over them vectorise;
-// the same rounding as c10 (to nearest even, NaN kept quiet).
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T> inline T from_float(float f);
-template <> inline float from_float<float>(float f) { return f; }
-template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
-}
+using jitney_cpu::from_float;  // convert.h
+using jitney_cpu::to_float;
 
 
 constexpr int64_t kRowBlock = 32;  // MB: rows per micro-kernel call

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "convert.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,22 +27,8 @@
 
 namespace {
 
-// The conversions of cpu_kernels.cpp (round to nearest even, NaN kept quiet).
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T> inline T from_float(float f);
-template <> inline float from_float<float>(float f) { return f; }
-template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
-}
+using jitney_cpu::from_float;  // convert.h
+using jitney_cpu::to_float;
 // Rounds a float32 value to the dtype and back (identity for float32).
 template <typename T> inline float round_to(float f) { return to_float(from_float<T>(f)); }
 
