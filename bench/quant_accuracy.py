@@ -4,8 +4,8 @@
 
 One fresh server at a time (default flags otherwise), the default model:
 
-* **Top-1 agreement on the parity prompts** (the eight chat questions of
-  ``tests/test_server_parity.py``): each bf16 server's greedy output (24
+* **Top-1 agreement on the parity prompts** (``QUESTIONS``, the eight chat
+  questions ``tests/test_server_parity.py`` also asks): each bf16 server's greedy output (24
   tokens, ``ignore_eos``) is fed back to every server as a prompt with
   ``prompt_logprobs``; at every output position, does that server's most
   likely token equal bf16's greedy token? Teacher forcing compares every
@@ -72,8 +72,8 @@ CASES: dict[str, list[str]] = {
 }
 
 
-def prompt_ids(model: str | None) -> list[list[int]]:
-    tokenizer = load_tokenizer(resolve_model(model), cache_root())
+def prompt_ids(tokenizer: Any) -> list[list[int]]:
+    """``QUESTIONS`` as chat prompts (one user message each, the generation prompt added), token ids."""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=False) for q in QUESTIONS]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -126,8 +126,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args()
-    prompts = prompt_ids(args.model)
     tokenizer = load_tokenizer(resolve_model(args.model), cache_root())
+    prompts = prompt_ids(tokenizer)
     text_ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     model_args = ["--model", args.model] if args.model else []
     cases = ["bf16"] + [c for c in args.cases if c != "bf16"]   # bf16 first: the reference

@@ -19,20 +19,11 @@ import torch
 from jitney.v1 import generation_pb2 as pb
 from jitney.client.client import Sampling, make_params
 from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
+from bench.quant_accuracy import prompt_ids as parity_prompt_ids
 from bench.server_harness import ROOT, running_server
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "What is 12 times 12?",
-    "Explain photosynthesis in one sentence.",
-    "Give me a synonym for happy.",
-    "Who wrote Romeo and Juliet?",
-    "List the planets of the solar system.",
-]
 MAX_TOKENS = 24
 
 
@@ -59,10 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_greedy_matches_transformers_under_chunking_and_preemption(server) -> None:
-    tokenizer = load_tokenizer(resolve_model(None), cache_root())
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=False) for q in QUESTIONS]
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids = parity_prompt_ids(load_tokenizer(resolve_model(None), cache_root()))
     stub = server.stub()
 
     def run(ids: list[int]) -> list[int]:
