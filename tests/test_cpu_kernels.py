@@ -145,12 +145,13 @@ def test_paged_attention_matches_torch(dtype: torch.dtype, heads: tuple[int, int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("heads,block", [((4, 2, 16), 4), ((9, 3, 64), 16)])
+def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype, heads: tuple[int, int, int],
+                                                              block: int) -> None:
     """Prefill chunks, decodes, any step composition: a query at position p of
     a sequence attends exactly as that sequence's decode at p would."""
-    block = 4
     seq_lens, query_lens = [37, 1, 23, 50, 19], [1, 1, 9, 50, 3]
-    query, k, v, meta, tables = paged_problem(dtype, (4, 2, 16), block, seq_lens, query_lens, seed=3)
+    query, k, v, meta, tables = paged_problem(dtype, heads, block, seq_lens, query_lens, seed=3)
     together = invariant_attend(query, k, v, meta)
     starts = meta.query_start_loc_host
     for i, s in enumerate(seq_lens):
@@ -161,6 +162,21 @@ def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype)
             assert torch.equal(invariant_attend(query[t:t + 1], k, v, alone)[0], together[t]), (i, t)
     with torch_threads(1):
         assert torch.equal(invariant_attend(query, k, v, meta), together)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64)])
+def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """16-token blocks with head_dim a multiple of 64 run in AVX-512 registers (where
+    the CPU has it), partial blocks included; the runtime-sized scalar loops define
+    the arithmetic. Decodes, prefill tiles, partial blocks, NaN in unowned slots."""
+    seq_lens, query_lens = [1, 16, 17, 200, 33, 100, 31], [1, 16, 1, 1, 33, 40, 20]
+    query, k, v, meta, _ = paged_problem(dtype, heads, 16, seq_lens, query_lens, seed=5)
+    args = (query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    for scale in (heads[2] ** -0.5, 0.1234):
+        fast = cpu_kernels.paged_attention(*args, scale)
+        assert bool(torch.isfinite(fast).all())
+        assert torch.equal(fast, cpu_kernels.paged_attention(*args, scale, portable=True)), scale
 
 
 def test_paged_attention_rejects_bad_metadata() -> None:

@@ -103,15 +103,17 @@ def load() -> None:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, portable: bool = False) -> torch.Tensor:
     """Causal attention of ``query (T, nh, d)`` over the paged caches -> ``(T, nh, d)``.
 
     Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
+    ``portable``: only the scalar loops (the AVX-512 form of 16-token blocks must
+    give the same bits; the tests compare them).
     """
     load()
     out: torch.Tensor = torch.ops.jitney_cpu.paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable)
     return out
 
 

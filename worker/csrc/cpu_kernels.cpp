@@ -21,7 +21,12 @@
 //                     rescale, values added in key order. A decode and a
 //                     prefill query at the same position do the same
 //                     arithmetic, so chunking, preemption (recompute) and
-//                     prefix-cache hits give the same bits.
+//                     prefix-cache hits give the same bits. 16-token blocks
+//                     with head_dim a multiple of 64 run the same operations
+//                     in AVX-512 registers (portable=True: the scalar loops;
+//                     tests compare the bits), and the next block of a
+//                     sequence is prefetched while one computes: blocks lie
+//                     anywhere in the cache, out of the hardware's sight.
 //
 // Compiled with -ffp-contract=off: every multiply-add is written out (fmaf
 // where it is wanted), so two inlined copies of the same code cannot round
@@ -277,6 +282,91 @@ inline void block_update(const float* __restrict__ q, const float* __restrict__ 
   }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes: the same IEEE operations in the same order.
+__attribute__((always_inline)) inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);  // not underflow (nor NaN)
+  const __m512 xc = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-87.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, p, _mm512_castsi512_ps(bits));
+}
+
+// tree_reduce<16> on one register: lane j takes op(lane j, lane j + half), half = 8, 4, 2, 1.
+template <typename Op>
+__attribute__((always_inline)) inline float tree_reduce16(__m512 v, Op op) {
+  v = op(v, _mm512_shuffle_f32x4(v, v, 0xEE));  // lanes 8..15 onto 0..7
+  v = op(v, _mm512_shuffle_f32x4(v, v, 0x01));  // 4..7 onto 0..3
+  v = op(v, _mm512_permute_ps(v, 0x0E));        // 2, 3 onto 0, 1
+  v = op(v, _mm512_permute_ps(v, 0x01));        // 1 onto 0
+  return _mm512_cvtss_f32(v);
+}
+
+// block_update<R, 16, D> in registers: the same operations, in the same
+// order, on each lane (tested bit for bit against the scalar form).
+template <int64_t R, int64_t D>
+inline void block_update16(const float* __restrict__ q, const float* __restrict__ kt, const float* __restrict__ vf,
+                           float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t n) {
+  static_assert(D % 64 == 0 && R >= 1 && R <= 4, "16-lane form");
+  __m512 part[R][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k) part[r][k] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < D; i += 4) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512 krow = _mm512_loadu_ps(kt + (i + k) * 16);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < R; ++r) part[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + i + k]), krow, part[r][k]);
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);  // n in [1, 16]
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float w[R][16];
+  float correction[R];
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 sc = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
+    // std::max(a, b) is (a < b ? b : a), which is MAXPS(b, a), NaN and signed zeros included.
+    const float peak = tree_reduce16(_mm512_mask_blend_ps(valid, ninf, sc),
+                                     [](__m512 a, __m512 b) { return _mm512_max_ps(b, a); });
+    const float m_new = std::max(m[r], peak);
+    correction[r] = exp_nonpositive(m[r] - m_new);
+    const __m512 wr = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+    _mm512_store_ps(w[r], wr);
+    l[r] = fmaf(l[r], correction[r], tree_reduce16(wr, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+    m[r] = m_new;
+  }
+  for (int64_t c = 0; c < D; c += 64) {  // 64 columns at a time, each column's order unchanged
+    constexpr int64_t kVec = 4;
+    __m512 a[R][kVec];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kVec; ++v)
+        a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c + 16 * v), _mm512_set1_ps(correction[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vj[kVec];
+      for (int64_t v = 0; v < kVec; ++v) vj[v] = _mm512_loadu_ps(vf + j * D + c + 16 * v);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 wj = _mm512_set1_ps(w[r][j]);
+        for (int64_t v = 0; v < kVec; ++v) a[r][v] = _mm512_fmadd_ps(wj, vj[v], a[r][v]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kVec; ++v) _mm512_storeu_ps(acc + r * D + c + 16 * v, a[r][v]);
+  }
+}
+#endif
+
 template <int64_t BS, int64_t D>
 void block_update_rows(int64_t rows, const float* q, const float* kt, const float* vf, float* acc, float* m, float* l,
                        int64_t n, int64_t bs, int64_t d) {
@@ -284,6 +374,17 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
     const int64_t r = std::min<int64_t>(4, rows - r0);
     const float* qr = q + r0 * d;
     float* ar = acc + r0 * d;
+#if defined(__AVX512F__)
+    if constexpr (BS == 16 && D > 0 && D % 64 == 0) {
+      switch (r) {
+        case 4: block_update16<4, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
+        case 3: block_update16<3, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
+        case 2: block_update16<2, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
+        default: block_update16<1, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
+      }
+      continue;
+    }
+#endif
     switch (r) {
       case 4: block_update<4, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
       case 3: block_update<3, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
@@ -355,8 +456,14 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t bs = BS > 0 ? BS : s.block_size;
   const int64_t nq = (t1 - t0) * g;
   const int64_t last_pos = pos0 + (t1 - t0) - 1;
-  std::vector<float> qf(nq * d), acc(nq * d, 0.0f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.0f);
-  std::vector<float> kt(d * bs, 0.0f), vf(bs * d, 0.0f);
+  // Per-thread scratch, reused across items: the query rows, their running sums, the block as float32.
+  thread_local std::vector<float> qf, acc, m, l, kt, vf;
+  qf.resize(nq * d);
+  acc.assign(nq * d, 0.0f);
+  m.assign(nq, -std::numeric_limits<float>::infinity());
+  l.assign(nq, 0.0f);
+  kt.assign(d * bs, 0.0f);
+  vf.assign(bs * d, 0.0f);
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t h = 0; h < g; ++h) {
       const scalar_t* src = q + (t * s.num_heads + kv_head * g + h) * d;
@@ -367,14 +474,28 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t row_stride = s.num_kv_heads * d;  // between tokens of a block
   for (int64_t blk = 0; blk * bs <= last_pos; ++blk) {
     const int64_t base = table[blk] * bs * row_stride + kv_head * d;
+#if defined(__x86_64__)
+    if ((blk + 1) * bs <= last_pos) {  // the next block lies elsewhere in the cache: ask for it now
+      const int64_t next = table[blk + 1] * bs * row_stride + kv_head * d;
+      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t j = 0; j < bs; ++j) {
+        const char* kp = reinterpret_cast<const char*>(k_cache + next + j * row_stride);
+        const char* vp = reinterpret_cast<const char*>(v_cache + next + j * row_stride);
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(kp + off, _MM_HINT_T0);
+          _mm_prefetch(vp + off, _MM_HINT_T0);
+        }
+      }
+    }
+#endif
     const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
     bool converted = false;
 #if defined(__AVX512F__)
     if constexpr (BS == 16 && D > 0 && D % 16 == 0) {
-      if (in_block == 16) {  // a whole block: 16 x 16 transposes in registers (the same values)
-        convert_block16<scalar_t, D>(k_cache + base, v_cache + base, row_stride, kt.data(), vf.data());
-        converted = true;
-      }
+      // 16 x 16 transposes in registers, the same values. All 16 rows of a block are
+      // allocated; rows past in_block are read but never used (masked, or past n).
+      convert_block16<scalar_t, D>(k_cache + base, v_cache + base, row_stride, kt.data(), vf.data());
+      converted = true;
     }
 #endif
     for (int64_t j = 0; j < in_block && !converted; ++j) {  // K transposed (d, bs), V (bs, d), float32
@@ -406,7 +527,7 @@ struct Item { int64_t seq, t0, t1, pos0, head; };
 
 template <typename scalar_t>
 void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
-                  scalar_t* out, const std::vector<Item>& items, const AttentionShape& s) {
+                  scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, bool portable) {
   const int64_t count = static_cast<int64_t>(items.size());
   // Dynamic scheduling balances long and short items; which thread runs an
   // item does not change its arithmetic.
@@ -414,7 +535,9 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
   for (int64_t w = 0; w < count; ++w) {
     const Item& it = items[w];
     const int64_t* table = tables + it.seq * s.table_width;
-    if (s.block_size == 16 && s.head_dim == 64) {
+    if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
+      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+    } else if (s.block_size == 16 && s.head_dim == 64) {
       attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
     } else if (s.block_size == 16 && s.head_dim == 128) {
       attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
@@ -429,7 +552,7 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
 // last of which sits at position seq_lens[i] - 1.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, bool portable) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "query must be (T, heads, head_dim) and the caches (blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
@@ -470,11 +593,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   });
   if (q.scalar_type() == at::kBFloat16) {
     attend_items(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                 tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s);
+                 tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s, portable);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "attention runs in bfloat16 or float32");
     attend_items(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s);
+                 tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s, portable);
   }
   return out;
 }
@@ -528,7 +651,7 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, bool out_float) -> Tensor", &linear);
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale) -> Tensor", &paged_attention);
+        "Tensor query_start_loc, float scale, bool portable=False) -> Tensor", &paged_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("vnni_packing() -> bool", &vnni_packing);
 }
