@@ -311,18 +311,21 @@ template <typename scalar_t, typename out_t>
 void run(const at::Tensor& x, int64_t kp, const at::Tensor& packed, const float* sw, const float* bias, at::Tensor& y,
          bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  at::Tensor limbs = at::zeros({padded(m, kRowsPerBlock) / kRowsPerBlock * 16, kp}, x.options().dtype(at::kChar));
-  std::vector<float> sx(m);
-  make_limbs(x.data_ptr<scalar_t>(), m, k, kp, limbs.data_ptr<int8_t>(), sx.data());
+  // The calling thread's scratch, reused: a tensor per call (zeros, then fill) cost more
+  // than a batch-1 decode's smaller layers take. Zero: missing rows and K past k.
+  thread_local std::vector<int8_t> limb_buffer;
+  thread_local std::vector<float> sx;
+  limb_buffer.assign(padded(m, kRowsPerBlock) / kRowsPerBlock * 16 * kp, 0);
+  sx.resize(m);
+  int8_t* limbs = limb_buffer.data();
+  make_limbs(x.data_ptr<scalar_t>(), m, k, kp, limbs, sx.data());
 #ifdef JITNEY_AMX
   if (!portable && amx_ready()) {
-    linear_amx(limbs.data_ptr<int8_t>(), sx.data(), m, kp, packed.data_ptr<int8_t>(), sw, bias,
-               y.data_ptr<out_t>(), n);
+    linear_amx(limbs, sx.data(), m, kp, packed.data_ptr<int8_t>(), sw, bias, y.data_ptr<out_t>(), n);
     return;
   }
 #endif
-  linear_portable(limbs.data_ptr<int8_t>(), sx.data(), m, kp, packed.data_ptr<int8_t>(), sw, bias,
-                  y.data_ptr<out_t>(), n);
+  linear_portable(limbs, sx.data(), m, kp, packed.data_ptr<int8_t>(), sw, bias, y.data_ptr<out_t>(), n);
 }
 
 // x (M, K) -> (M, out_features), as described at the top; float32 output
