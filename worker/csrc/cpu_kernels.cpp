@@ -317,16 +317,19 @@ __attribute__((always_inline)) inline float tree_reduce16(__m512 v, Op op) {
 template <int64_t R, int64_t D>
 inline void block_update16(const float* __restrict__ q, const float* __restrict__ kt, const float* __restrict__ vf,
                            float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t n) {
-  static_assert(D % 64 == 0 && R >= 1 && R <= 4, "16-lane form");
+  static_assert(D % 64 == 0 && R >= 1 && R <= 6, "16-lane form");
   __m512 part[R][4];
+  #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r)
+    #pragma GCC unroll 16
     for (int k = 0; k < 4; ++k) part[r][k] = _mm512_setzero_ps();
-#pragma GCC unroll 4
+  #pragma GCC unroll 16
   for (int64_t i = 0; i < D; i += 4) {
-#pragma GCC unroll 4
+    #pragma GCC unroll 16
     for (int k = 0; k < 4; ++k) {
-      const __m512 krow = _mm512_loadu_ps(kt + (i + k) * 16);
-#pragma GCC unroll 4
+      __m512 krow = _mm512_loadu_ps(kt + (i + k) * 16);
+      asm("" : "+v"(krow));  // one load for the R rows: keeps the compiler from folding it into each FMA
+      #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) part[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + i + k]), krow, part[r][k]);
     }
   }
@@ -334,6 +337,7 @@ inline void block_update16(const float* __restrict__ q, const float* __restrict_
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float w[R][16];
   float correction[R];
+  #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
     const __m512 sc = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
     // std::max(a, b) is (a < b ? b : a), which is MAXPS(b, a), NaN and signed zeros included.
@@ -346,45 +350,62 @@ inline void block_update16(const float* __restrict__ q, const float* __restrict_
     l[r] = fmaf(l[r], correction[r], tree_reduce16(wr, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
     m[r] = m_new;
   }
+  #pragma GCC unroll 16
   for (int64_t c = 0; c < D; c += 64) {  // 64 columns at a time, each column's order unchanged
     constexpr int64_t kVec = 4;
     __m512 a[R][kVec];
+    #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
       for (int64_t v = 0; v < kVec; ++v)
         a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c + 16 * v), _mm512_set1_ps(correction[r]));
     for (int64_t j = 0; j < n; ++j) {
       __m512 vj[kVec];
+      #pragma GCC unroll 16
       for (int64_t v = 0; v < kVec; ++v) vj[v] = _mm512_loadu_ps(vf + j * D + c + 16 * v);
-#pragma GCC unroll 4
+      #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) {
         const __m512 wj = _mm512_set1_ps(w[r][j]);
+        #pragma GCC unroll 16
         for (int64_t v = 0; v < kVec; ++v) a[r][v] = _mm512_fmadd_ps(wj, vj[v], a[r][v]);
       }
     }
+    #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
       for (int64_t v = 0; v < kVec; ++v) _mm512_storeu_ps(acc + r * D + c + 16 * v, a[r][v]);
   }
 }
 #endif
 
+// ``rows`` consecutive query rows that all see n keys of the block. The
+// AVX-512 form takes up to 6 rows a call (two tokens of three heads, say):
+// independent rows overlap each other's dependency chains (the softmax's
+// reductions and exp); the scalar form takes 4. Rows never mix either way.
 template <int64_t BS, int64_t D>
 void block_update_rows(int64_t rows, const float* q, const float* kt, const float* vf, float* acc, float* m, float* l,
                        int64_t n, int64_t bs, int64_t d) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int64_t r = std::min<int64_t>(4, rows - r0);
-    const float* qr = q + r0 * d;
-    float* ar = acc + r0 * d;
 #if defined(__AVX512F__)
-    if constexpr (BS == 16 && D > 0 && D % 64 == 0) {
-      switch (r) {
+  if constexpr (BS == 16 && D > 0 && D % 64 == 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+      const float* qr = q + r0 * D;
+      float* ar = acc + r0 * D;
+      switch (std::min<int64_t>(6, rows - r0)) {
+        case 6: block_update16<6, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
+        case 5: block_update16<5, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
         case 4: block_update16<4, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
         case 3: block_update16<3, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
         case 2: block_update16<2, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
         default: block_update16<1, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
       }
-      continue;
     }
+    return;
+  }
 #endif
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t r = std::min<int64_t>(4, rows - r0);
+    const float* qr = q + r0 * d;
+    float* ar = acc + r0 * d;
     switch (r) {
       case 4: block_update<4, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
       case 3: block_update<3, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
@@ -504,11 +525,20 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kr[i]);
       for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vr[i]);
     }
-    for (int64_t t = std::max(t0, t0 + blk * bs - pos0); t < t1; ++t) {  // tokens that see this block
-      const int64_t n = std::min(bs, pos0 + (t - t0) + 1 - blk * bs);
+    // The tokens that see this block: those that see only part of it one by one, then
+    // those that see all of it (the rest of the tile) in one call.
+    const int64_t first = std::max(t0, t0 + blk * bs - pos0);
+    const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
+    for (int64_t t = first; t < whole; ++t) {
+      const int64_t n = pos0 + (t - t0) + 1 - blk * bs;
       const int64_t row = (t - t0) * g;
       block_update_rows<BS, D>(g, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
                                m.data() + row, l.data() + row, n, bs, d);
+    }
+    if (whole < t1) {
+      const int64_t row = (whole - t0) * g;
+      block_update_rows<BS, D>((t1 - whole) * g, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
+                               m.data() + row, l.data() + row, bs, bs, d);
     }
   }
   for (int64_t row = 0; row < nq; ++row) {
