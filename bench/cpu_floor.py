@@ -115,6 +115,28 @@ def workload_flops(cfg: ModelConfig, items: Iterable[WorkItem]) -> dict[str, Any
     return out
 
 
+def workload_bytes(cfg: ModelConfig, items: Iterable[WorkItem], dtype_bytes: int = 2) -> dict[str, Any]:
+    """Bytes a workload's decodes must read from memory at the least, with weights and cache in
+    ``dtype_bytes`` (2: bf16).
+
+    Each decode step reads every linear weight once (the layers' and the head's), whatever its
+    batch; a request of M output tokens is M - 1 decode steps after its prefill, one after another,
+    so a run takes at least max(M) - 1 of them. Each decode at position p reads the K and V of
+    its p keys before it in every layer. Prefill steps (compute-bound) and activations are not
+    counted: this is a lower bound on the bytes, as the FLOP count is on the arithmetic.
+    """
+    weights = dtype_bytes * sum(k * n * uses for _, k, n, uses in linear_shapes(cfg))
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    steps = keys = 0
+    for item in items:
+        prompt, m = len(item.prompt_token_ids), item.max_tokens
+        steps = max(steps, m - 1)
+        # decode j (1 .. m - 1) feeds the token at position prompt + j - 1, attending prompt + j keys
+        keys += sum(prompt + j for j in range(1, m))
+    return {"weights_per_step": weights, "decode_steps": steps, "weights": weights * steps,
+            "kv_per_token": kv_per_token, "kv": kv_per_token * keys, "total": weights * steps + kv_per_token * keys}
+
+
 def model_config(model: str | None) -> ModelConfig:
     """The worker's ModelConfig of ``model`` (None: the bundled default), read as the worker reads it."""
     from jitney.common.model_files import resolve_model
@@ -174,17 +196,34 @@ def peak(shapes: list[dict[str, Any]], by_shape: dict[str, int]) -> dict[str, An
     return {"mix_gflops": mix, "peak_gflops": mix[best], "peak_kernel": best}
 
 
+def measure_bandwidth(megabytes: int, reps: int) -> float:
+    """The machine's memory read rate, GB/s: the best of ``reps`` sums of a float32 tensor of
+    ``megabytes`` (far above the caches) on torch's threads."""
+    import torch
+
+    x = torch.ones(megabytes * 2**20 // 4)
+    return x.numel() * 4 / _best_seconds(lambda: x.sum(), reps) / 1e9
+
+
 def floor_pass(cfg: ModelConfig, flops: dict[str, Any], rows: int, reps: int,
-               earlier: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One more pass of ``measure_shapes``; each shape's rate is its best over this pass and ``earlier``'s
-    (the run measures at its start and its end, so that a burst of load on a shared machine lowers neither);
-    the peak and floor seconds of ``flops`` at those rates."""
+               earlier: dict[str, Any] | None = None, *, data: dict[str, Any] | None = None,
+               bandwidth_mb: int = 512) -> dict[str, Any]:
+    """One more pass of ``measure_shapes`` and ``measure_bandwidth``; each shape's rate (and the
+    bandwidth) is its best over this pass and ``earlier``'s (the run measures at its start and its
+    end, so that a burst of load on a shared machine lowers neither); the peak and floor seconds of
+    ``flops`` at those rates, and where ``data`` (``workload_bytes``) is given, its bytes floor."""
     measured = measure_shapes(cfg, rows, reps)
     passes = [*(earlier["peak"]["passes"] if earlier else []), measured["shapes"]]
     best = [{**row, **{k: max(p[i][k] for p in passes) for k in KERNELS}} for i, row in enumerate(measured["shapes"])]
     pk = {**measured, "shapes": best, "passes": passes, **peak(best, flops["by_shape"]),
           "pass_peaks": [peak(p, flops["by_shape"])["peak_gflops"] for p in passes]}
-    return {"peak": pk, "flops": flops, "workload": "offline-64", "floor_s": flops["total"] / (pk["peak_gflops"] * 1e9)}
+    out = {"peak": pk, "flops": flops, "workload": "offline-64", "floor_s": flops["total"] / (pk["peak_gflops"] * 1e9)}
+    data = data if data is not None else (earlier or {}).get("bytes")
+    if data is not None:
+        rates = [*((earlier or {}).get("bandwidth_passes") or []), measure_bandwidth(bandwidth_mb, reps)]
+        out.update(bytes=data, bandwidth_passes=rates, bandwidth_gbs=max(rates),
+                   bytes_floor_s=data["total"] / (max(rates) * 1e9))
+    return out
 
 
 # ---------------------------------------------------------------- cases
@@ -354,6 +393,24 @@ def render(res: dict[str, Any]) -> str:
         wall = (res["cases"].get("bf16-offline") or {}).get("wall_s")
         out += [f"offline-64 (bf16) wall: {wall:.2f} s = **{wall / floor['floor_s']:.2f}× the floor**."
                 if wall else "offline-64 (bf16) was not measured, so no ratio to the floor.", ""]
+        if "bytes" in floor:
+            data, rates = floor["bytes"], ", ".join(f"{v:.1f}" for v in floor["bandwidth_passes"])
+            bound = max(floor["floor_s"], floor["bytes_floor_s"])
+            out += ["### The bytes floor", "",
+                    "Decode steps are bound by memory, not arithmetic: each reads every weight once whatever "
+                    "its batch, and each sequence's cache. Counted from the workload file (a lower bound: "
+                    "prefill steps and activations left out):", "",
+                    "| part | GB |", "|---|---|",
+                    f"| weights (bf16, {data['weights_per_step'] / 1e6:.0f} MB) × {data['decode_steps']} decode "
+                    f"steps at the least (the longest request's) | {data['weights'] / 1e9:.1f} |",
+                    f"| K/V the decodes read ({data['kv_per_token'] / 1e3:.1f} KB a key, all layers) "
+                    f"| {data['kv'] / 1e9:.1f} |",
+                    f"| **total** | **{data['total'] / 1e9:.1f}** |", "",
+                    f"Memory read rate (a float32 sum far above the caches, best of each pass: {rates} GB/s): "
+                    f"**{floor['bandwidth_gbs']:.1f} GB/s**. Bytes floor: **{floor['bytes_floor_s']:.3g} s**.",
+                    "",
+                    f"Neither floor alone bounds the run: the larger, {bound:.3g} s, does."
+                    + (f" offline-64 (bf16) wall: **{wall / bound:.2f}×** it." if wall else ""), ""]
 
     cases = res["cases"]
     ok = [n for n in cases if "error" not in cases[n]]
@@ -451,11 +508,13 @@ def main(argv: list[str] | None = None) -> int:
         print("== floor: bf16 matmul peak on the model's shapes", flush=True)
         try:
             cfg = model_config(model)
-            flops = workload_flops(cfg, load_workload(limited(workloads["offline-64.jsonl"], args.limit,
-                                                              args.workdir)))
-            res["floor"] = floor_pass(cfg, flops, args.floor_rows, args.floor_reps)
+            offline = load_workload(limited(workloads["offline-64.jsonl"], args.limit, args.workdir))
+            flops = workload_flops(cfg, offline)
+            res["floor"] = floor_pass(cfg, flops, args.floor_rows, args.floor_reps,
+                                      data=workload_bytes(cfg, offline), bandwidth_mb=64 if args.smoke else 512)
             print(f"  peak {res['floor']['peak']['peak_gflops']:.0f} GFLOP/s, {flops['total'] / 1e9:.1f} GFLOP, "
-                  f"floor {res['floor']['floor_s']:.2f} s", flush=True)
+                  f"floor {res['floor']['floor_s']:.2f} s; read bandwidth {res['floor']['bandwidth_gbs']:.1f} GB/s, "
+                  f"bytes floor {res['floor']['bytes_floor_s']:.2f} s", flush=True)
         except Exception as err:  # noqa: BLE001 - reported, the run goes on
             traceback.print_exc()
             res["floor"] = {"error": _reason(err)}
@@ -515,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if res["floor"] and "error" not in res["floor"]:
         print("== floor: the matmul peak again, at the end of the run", flush=True)
-        res["floor"] = floor_pass(cfg, res["floor"]["flops"], args.floor_rows, args.floor_reps, res["floor"])
+        res["floor"] = floor_pass(cfg, res["floor"]["flops"], args.floor_rows, args.floor_reps, res["floor"],
+                                  bandwidth_mb=64 if args.smoke else 512)
     res["targets"] = targets(res)
     report = render(res)
     print(report)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cpu_floor import peak, request_flops, workload_flops
+from bench.cpu_floor import peak, request_flops, workload_bytes, workload_flops
 from jitney.client.bench import WorkItem
 from jitney.worker.model import ModelConfig
 
@@ -34,6 +34,18 @@ def test_flops_by_hand() -> None:
     assert total["by_shape"] == {"qkv_proj": 2 * 32 * 2 * 5, "o_proj": 2 * 16 * 2 * 5, "gate_up_proj": 2 * 48 * 2 * 5,
                                  "down_proj": 2 * 24 * 2 * 5, "lm_head": 2 * 40 * 3}
     assert sum(total["by_shape"].values()) == total["linear"] + total["head"]
+
+
+def test_bytes_by_hand() -> None:
+    # Weights: the layers' 120 x 2 layers + the head's 4 x 10 = 280 values, 2 bytes each.
+    # K/V per key: 2 (K and V) x 2 layers x 1 kv head x head_dim 2 x 2 bytes = 16 bytes.
+    # "a": prompt 3, 3 outputs: decodes attend 4 and 5 keys. "b": prompt 5, 1 output: no decode.
+    data = workload_bytes(TINY, [WorkItem("a", 0.0, [5, 6, 7], 3), WorkItem("b", 1.0, [1, 2, 3, 4, 5], 1)])
+    assert data["weights_per_step"] == 2 * 280 and data["kv_per_token"] == 16
+    assert data["decode_steps"] == 2                                 # the longest request's M - 1
+    assert data["weights"] == 2 * 2 * 280 and data["kv"] == 16 * (4 + 5)
+    assert data["total"] == data["weights"] + data["kv"]
+    assert workload_bytes(TINY, [WorkItem("a", 0.0, [5], 2)], dtype_bytes=1)["kv"] == 8 * 2
 
 
 def test_peak_is_the_better_kernel_over_the_workload_mix() -> None:
@@ -81,6 +93,11 @@ def test_smoke_run_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     for heading in ("## The bf16 matmul floor", "## Serving", "## Decode step", "## Targets"):
         assert heading in report
     assert "× the floor" in report and "llama.cpp: " in report
+    fl = res["floor"]
+    assert len(fl["bandwidth_passes"]) == 2 and fl["bandwidth_gbs"] == max(fl["bandwidth_passes"]) > 0
+    assert fl["bytes_floor_s"] == pytest.approx(fl["bytes"]["total"] / (fl["bandwidth_gbs"] * 1e9))
+    assert fl["bytes"]["decode_steps"] == 19                         # the smoke workload's longest: 20 outputs
+    assert "### The bytes floor" in report and f"{fl['bandwidth_gbs']:.1f} GB/s" in report
     # The targets: one row each, "met"/"missed" exactly where both sides were measured.
     targets = {t["target"]: t for t in res["targets"]}
     assert len(targets) == 5
