@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """CPU paged attention: the batch-invariant kernel against gather + SDPA.
 
-    .venv/bin/python bench/cpu_attention.py [--reps 10]
+    .venv/bin/python bench/cpu_attention.py [--reps 10] [--layers 30 --scattered] [--threads 1] [--no-sdpa]
 
 The default model's attention shape (9 query heads, 3 KV heads, head_dim 64,
 16-token blocks, bf16) on a 512-token prefill and on decode steps of 1 and
 64 sequences. Both backends attend the same queries over the same paged
 cache; milliseconds per call (one layer), mean of ``--reps`` after a warm-up.
+
+``--layers N``: N distinct caches, one call on each per rep (as a step's
+layers do), so that they stream from memory instead of sitting in the
+caches of the CPU; ``--scattered``: each sequence's blocks at random places
+in the cache (as after the server has run a while) instead of in a row.
 """
 
 from __future__ import annotations
@@ -32,29 +37,41 @@ CASES = {"prefill 512": ([512], [512]), "decode 1 x 200": ([1], [200]),
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=1, help="distinct caches, each called once per rep")
+    parser.add_argument("--scattered", action="store_true", help="sequences' blocks at random places")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-sdpa", action="store_true", help="the invariant kernel only")
     args = parser.parse_args()
-    k_cache = torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
-    v_cache = torch.randn_like(k_cache)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16(),
+               torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()) for _ in range(args.layers)]
+    order = torch.randperm(2000, generator=gen).tolist() if args.scattered else list(range(2000))
 
     def per_call(backend: AttentionBackend, query: torch.Tensor, meta: AttentionMetadata) -> float:
         meta = backend.prepare(meta)
-        backend.attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+        for k_cache, v_cache in caches:
+            backend.attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
         started = time.perf_counter()
         for _ in range(args.reps):
-            backend.attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
-        return (time.perf_counter() - started) / args.reps * 1000
+            for k_cache, v_cache in caches:
+                backend.attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+        return (time.perf_counter() - started) / (args.reps * len(caches)) * 1000
 
+    print(f"{torch.get_num_threads()} threads, {args.layers} distinct caches, "
+          f"{'scattered' if args.scattered else 'consecutive'} blocks")
     print("| case | invariant kernel ms | gather + SDPA ms |\n|---|---|---|")
     for name, (query_lens, seq_lens) in CASES.items():
         tables, first = [], 0
         for length in seq_lens:
-            tables.append(list(range(first, first + math.ceil(length / BLOCK))))
+            tables.append(order[first:first + math.ceil(length / BLOCK)])
             first += len(tables[-1])
         meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
                                        block_size=BLOCK, device=torch.device("cpu"))
-        query = torch.randn(sum(query_lens), HEADS, HEAD_DIM).bfloat16()
-        print(f"| {name} | {per_call(InvariantCpuAttention(), query, meta):.2f} | "
-              f"{per_call(TorchPagedAttention(), query, meta):.2f} |", flush=True)
+        query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).bfloat16()
+        sdpa = "–" if args.no_sdpa else f"{per_call(TorchPagedAttention(), query, meta):.2f}"
+        print(f"| {name} | {per_call(InvariantCpuAttention(), query, meta):.2f} | {sdpa} |", flush=True)
     return 0
 
 

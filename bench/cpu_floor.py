@@ -409,7 +409,7 @@ def render(res: dict[str, Any]) -> str:
                     f"Memory read rate (a float32 sum far above the caches, best of each pass: {rates} GB/s): "
                     f"**{floor['bandwidth_gbs']:.1f} GB/s**. Bytes floor: **{floor['bytes_floor_s']:.3g} s**.",
                     "",
-                    f"Neither floor alone bounds the run: the larger, {bound:.3g} s, does."
+                    f"Both floors are lower bounds on the run; the larger, {bound:.3g} s, is the tighter one."
                     + (f" offline-64 (bf16) wall: **{wall / bound:.2f}×** it." if wall else ""), ""]
 
     cases = res["cases"]
