@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -457,13 +458,32 @@ __attribute__((always_inline)) inline void transpose16(__m512 (&r)[16]) {
 
 // A whole 16-token cache block of one kv head: K transposed into kt (D, 16)
 // and V into vf (16, D), float32: the values of the scalar loop, vectorised.
+// bfloat16 K (D a multiple of 32) moves as pairs: each 32-bit lane holds dims
+// 2i (low half) and 2i + 1 (high half) of one key, so a 16 x 16 transpose
+// moves 32 dims, half the shuffles of transposing them as float32 (the
+// shuffle port is the kernel's busiest); each pair then widens exactly, dim
+// 2i by a shift and dim 2i + 1 by a mask.
 template <typename scalar_t, int64_t D>
 inline void convert_block16(const scalar_t* k, const scalar_t* v, int64_t row_stride, float* kt, float* vf) {
-  for (int64_t c = 0; c < D; c += 16) {
-    __m512 r[16];
-    for (int j = 0; j < 16; ++j) r[j] = load16(k + j * row_stride + c);
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && D % 32 == 0) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t c = 0; c < D; c += 32) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(k + j * row_stride + c));
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) {
+        const __m512i pair = _mm512_castps_si512(r[p]);
+        _mm512_storeu_ps(kt + (c + 2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+        _mm512_storeu_ps(kt + (c + 2 * p + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < D; c += 16) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) r[j] = load16(k + j * row_stride + c);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
+    }
   }
   for (int j = 0; j < 16; ++j)
     for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(vf + j * D + c, load16(v + j * row_stride + c));
