@@ -207,11 +207,12 @@ def measure_bandwidth(megabytes: int, reps: int) -> float:
 
 def floor_pass(cfg: ModelConfig, flops: dict[str, Any], rows: int, reps: int,
                earlier: dict[str, Any] | None = None, *, data: dict[str, Any] | None = None,
-               bandwidth_mb: int = 512) -> dict[str, Any]:
+               bandwidth_mb: int | None = None) -> dict[str, Any]:
     """One more pass of ``measure_shapes`` and ``measure_bandwidth``; each shape's rate (and the
     bandwidth) is its best over this pass and ``earlier``'s (the run measures at its start and its
     end, so that a burst of load on a shared machine lowers neither); the peak and floor seconds of
-    ``flops`` at those rates, and where ``data`` (``workload_bytes``) is given, its bytes floor."""
+    ``flops`` at those rates, and where ``data`` (``workload_bytes``) is given, its bytes floor.
+    ``bandwidth_mb``: the size of the read (default: ``earlier``'s, else 512)."""
     measured = measure_shapes(cfg, rows, reps)
     passes = [*(earlier["peak"]["passes"] if earlier else []), measured["shapes"]]
     best = [{**row, **{k: max(p[i][k] for p in passes) for k in KERNELS}} for i, row in enumerate(measured["shapes"])]
@@ -220,8 +221,9 @@ def floor_pass(cfg: ModelConfig, flops: dict[str, Any], rows: int, reps: int,
     out = {"peak": pk, "flops": flops, "workload": "offline-64", "floor_s": flops["total"] / (pk["peak_gflops"] * 1e9)}
     data = data if data is not None else (earlier or {}).get("bytes")
     if data is not None:
-        rates = [*((earlier or {}).get("bandwidth_passes") or []), measure_bandwidth(bandwidth_mb, reps)]
-        out.update(bytes=data, bandwidth_passes=rates, bandwidth_gbs=max(rates),
+        mb = bandwidth_mb or (earlier or {}).get("bandwidth_mb", 512)
+        rates = [*((earlier or {}).get("bandwidth_passes") or []), measure_bandwidth(mb, reps)]
+        out.update(bytes=data, bandwidth_mb=mb, bandwidth_passes=rates, bandwidth_gbs=max(rates),
                    bytes_floor_s=data["total"] / (max(rates) * 1e9))
     return out
 
@@ -574,8 +576,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if res["floor"] and "error" not in res["floor"]:
         print("== floor: the matmul peak again, at the end of the run", flush=True)
-        res["floor"] = floor_pass(cfg, res["floor"]["flops"], args.floor_rows, args.floor_reps, res["floor"],
-                                  bandwidth_mb=64 if args.smoke else 512)
+        res["floor"] = floor_pass(cfg, res["floor"]["flops"], args.floor_rows, args.floor_reps, res["floor"])
     res["targets"] = targets(res)
     report = render(res)
     print(report)

@@ -345,11 +345,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(),
               "scale must be ", n, " contiguous float32 values");
   at::Tensor xc = x.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b = jitney_cpu::float_bias(bias, n);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* sp = scale.data_ptr<float>();
   at::Tensor y = at::empty({m, n}, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));

@@ -131,11 +131,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == blocks && packed.size(1) == k * kColBlock,
               "packed weight does not match in_features ", k, " and out_features ", n);
   at::Tensor xc = x.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b = jitney_cpu::float_bias(bias, n);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool vnni = use_vnni(x.scalar_type());
   at::Tensor y = at::empty({m, n}, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
@@ -497,14 +493,15 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t bs = BS > 0 ? BS : s.block_size;
   const int64_t nq = (t1 - t0) * g;
   const int64_t last_pos = pos0 + (t1 - t0) - 1;
-  // Per-thread scratch, reused across items: the query rows, their running sums, the block as float32.
+  // Per-thread scratch, reused across items: the query rows, their running sums, the block as
+  // float32. kt and vf need no clearing: a lane past a block's n keys is masked, never used.
   thread_local std::vector<float> qf, acc, m, l, kt, vf;
   qf.resize(nq * d);
   acc.assign(nq * d, 0.0f);
   m.assign(nq, -std::numeric_limits<float>::infinity());
   l.assign(nq, 0.0f);
-  kt.assign(d * bs, 0.0f);
-  vf.assign(bs * d, 0.0f);
+  kt.resize(d * bs);
+  vf.resize(bs * d);
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t h = 0; h < g; ++h) {
       const scalar_t* src = q + (t * s.num_heads + kv_head * g + h) * d;
@@ -529,21 +526,21 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       }
     }
 #endif
-    const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
-    bool converted = false;
 #if defined(__AVX512F__)
     if constexpr (BS == 16 && D > 0 && D % 16 == 0) {
       // 16 x 16 transposes in registers, the same values. All 16 rows of a block are
-      // allocated; rows past in_block are read but never used (masked, or past n).
+      // allocated; rows past the context are read but never used (masked, or past n).
       convert_block16<scalar_t, D>(k_cache + base, v_cache + base, row_stride, kt.data(), vf.data());
-      converted = true;
-    }
+    } else  // the scalar loop below
 #endif
-    for (int64_t j = 0; j < in_block && !converted; ++j) {  // K transposed (d, bs), V (bs, d), float32
-      const scalar_t* kr = k_cache + base + j * row_stride;
-      const scalar_t* vr = v_cache + base + j * row_stride;
-      for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kr[i]);
-      for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vr[i]);
+    {
+      const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
+      for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
+        const scalar_t* kr = k_cache + base + j * row_stride;
+        const scalar_t* vr = v_cache + base + j * row_stride;
+        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kr[i]);
+        for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vr[i]);
+      }
     }
     // The tokens that see this block: those that see only part of it one by one, then
     // those that see all of it (the rest of the tile) in one call.
