@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,20 +44,42 @@ def assert_rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 # ---------------------------------------------------------------------------- linear
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(64, 144), (144, 64), (576, 960), (1536, 576), (98, 100)])
-def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtype, shape: tuple[int, int],
+                                                               portable: bool) -> None:
+    """Both bf16 kernels (the AMX one where the CPU has it, and oneDNN's brgemm), at
+    in_features that are and are not multiples of 32, row counts on both sides of the
+    AMX kernel's 16-row switch of unit width (ROW_COUNTS) and ragged last row blocks."""
     k, n = shape
     gen = torch.Generator().manual_seed(k * 1000 + n)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     x = torch.randn(600, k, generator=gen).to(dtype)
-    layer = cpu_kernels.InvariantLinear(weight, bias)
+    layer = cpu_kernels.InvariantLinear(weight, bias, portable=portable)
     expected = F.linear(x[:40].float(), weight.float(), bias.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(layer(x[:40]).float(), expected, atol=tol, rtol=tol)
     assert layer(x[:3]).dtype == dtype
     assert_rows_invariant(layer, x)
+
+
+def test_bf16_linears_run_on_amx_where_the_cpu_has_it() -> None:
+    """No silent fallback: a CPU with AMX-BF16 gets the AMX kernel, whose bits differ from brgemm's."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if "amx_bf16" not in flags:
+        assert not cpu_kernels.linear_uses_amx()
+        pytest.skip("no AMX-BF16 on this CPU")
+    assert cpu_kernels.linear_uses_amx()
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(256, 576, generator=gen).bfloat16()
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    amx = cpu_kernels.InvariantLinear(weight, None, out_float=True)
+    brgemm = cpu_kernels.InvariantLinear(weight, None, out_float=True, portable=True)
+    assert amx.packed.shape == brgemm.packed.shape   # same size, another layout
+    assert not torch.equal(amx.packed, brgemm.packed)
+    torch.testing.assert_close(amx(x), brgemm(x), atol=1e-3, rtol=1e-3)
 
 
 def test_linear_threads_split_columns_only() -> None:

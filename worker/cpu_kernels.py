@@ -3,10 +3,14 @@
 The operations, registered as ``torch.ops.jitney_cpu``:
 
 - ``InvariantLinear``: ``y = x W^T + b`` with W packed once at load; every
-  output row is one oneDNN brgemm micro-kernel reduction over the whole of
-  K, so its bits do not depend on how many rows share the call. (oneDNN's
-  own matmul picks blockings, and splits K between threads, by the number
-  of rows: the same token gave different bf16 rows at 1 and at 33 rows.)
+  output is one fixed reduction over the whole of K, so its bits do not
+  depend on how many rows share the call. bf16 where the CPU has AMX-BF16:
+  Jitney's own tile kernel, which streams the weights with prefetches (a
+  decode step's linears ran 1.4-1.8x faster than through oneDNN's brgemm,
+  see docs/performance.md); elsewhere one oneDNN brgemm micro-kernel call
+  per block. (oneDNN's own matmul picks blockings, and splits K between
+  threads, by the number of rows: the same token gave different bf16 rows
+  at 1 and at 33 rows.)
 - ``paged_attention``: every query token walks its own sequence's cache
   blocks from position 0 with a float32 online softmax, reading K/V where
   they lie (no gather, no padding). Decodes and prefill chunks run the same
@@ -128,19 +132,31 @@ class InvariantLinear(nn.Module):
     """``y = x W^T + b`` through ``jitney_cpu.linear``; x is (T, in_features).
 
     ``out_float``: return float32 (the logits) instead of x's dtype.
+    ``portable``: oneDNN's brgemm micro-kernel even where bf16 would run on
+    Jitney's AMX kernel (for tests and benchmarks; both are batch-invariant,
+    their bits differ).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False,
+                 portable: bool = False) -> None:
         super().__init__()
         load()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.jitney_cpu.pack_linear_weight(weight.detach().contiguous())
+        self.portable = portable
+        self.packed = torch.ops.jitney_cpu.pack_linear_weight(weight.detach().contiguous(), portable)
         self.bias = bias
         self.out_float = out_float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.jitney_cpu.linear(x, self.packed, self.bias, self.out_features, self.out_float)
+        y: torch.Tensor = torch.ops.jitney_cpu.linear(x, self.packed, self.bias, self.in_features, self.out_features,
+                                                      self.out_float, self.portable)
         return y
+
+
+def linear_uses_amx() -> bool:
+    """Whether bf16 ``InvariantLinear``s run on Jitney's AMX-BF16 kernel here (else oneDNN's brgemm)."""
+    load()
+    return bool(torch.ops.jitney_cpu.linear_uses_amx())
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

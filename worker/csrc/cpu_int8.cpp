@@ -47,10 +47,9 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include "amx.h"
+#if defined(JITNEY_AMX_INT8)
 #define JITNEY_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -209,20 +208,7 @@ void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp
 }
 
 #ifdef JITNEY_AMX
-bool amx_ready() {
-  static const bool ready = [] {
-    // Linux hands out the tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using jitney_cpu::amx_ready;  // amx.h
 
 // Tiles 0-3: the sums (16 x 16 int32) of up to four 16-column tiles;
 // 4: the limbs (16 x 64 int8); 5-6: weights (16 x 64 int8), alternating.
@@ -237,11 +223,7 @@ void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t k
   const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
   const int64_t units = blocks * (kCols / kUnitCols);
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    TileConfig cfg;
-    for (int t = 0; t < 7; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
+    const jitney_cpu::TileConfig cfg;
     _tile_loadconfig(&cfg);
     alignas(64) int32_t acc[16 * kCols];
     for (int64_t u = u0; u < u1; ++u) {
