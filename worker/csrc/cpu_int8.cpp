@@ -216,21 +216,31 @@ using jitney_cpu::amx_ready;  // amx.h
 // rows, 2 (32 columns) for a few, where the units are streamed once and
 // halving them splits small layers evenly between threads. Only the speed
 // depends on it: every column's integer sums are the same either way.
+// Prefetches as in cpu_kernels.cpp's bf16 kernel: the unit's next chunks
+// into L1 on its first pass and, where there are several passes (more than
+// 8 rows), the thread's next unit into L2 a slice per chunk over all of
+// them (at one pass it only cost time: 8.7 against 7.2 ms at one row).
 template <int TILES, typename out_t>
 void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
                       const float* sw, const float* bias, out_t* y, int64_t n) {
-  constexpr int64_t kUnitCols = TILES * 16;
+  constexpr int64_t kUnitCols = TILES * 16, kUnitLines = TILES * kTileBytes / 64;  // 64-byte lines a chunk
+  constexpr int64_t kPerBlock = kCols / kUnitCols;
   const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
-  const int64_t units = blocks * (kCols / kUnitCols);
+  const int64_t units = blocks * kPerBlock;
+  auto unit_weights = [&](int64_t u) {
+    return packed + ((u / kPerBlock) * chunks * 4 + (u % kPerBlock) * TILES) * kTileBytes;
+  };
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     const jitney_cpu::TileConfig cfg;
     _tile_loadconfig(&cfg);
     alignas(64) int32_t acc[16 * kCols];
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / (kCols / kUnitCols), t0 = (u % (kCols / kUnitCols)) * TILES;
-      const int8_t* wb = packed + (b * chunks * 4 + t0) * kTileBytes;
-      const int64_t col0 = b * kCols + t0 * 16;
+      const int64_t col0 = u * kUnitCols;
       if (col0 >= n) continue;  // a padding unit
+      const int8_t* wb = unit_weights(u);
+      const int8_t* next = (u + 1 < u1 && m > kRowsPerBlock) ? unit_weights(u + 1) : nullptr;
+      const int64_t next_lines = chunks * kUnitLines, steps = (m + kRowsPerBlock - 1) / kRowsPerBlock * chunks;
+      int64_t step = 0, fetched = 0;
       for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
         const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
         _tile_zero(0);
@@ -244,6 +254,11 @@ void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t k
           if (r0 == 0) {  // the first pass streams the unit from memory: ask for it ahead
             const int8_t* ahead = wt + kPrefetchChunks * 4 * kTileBytes;
             for (int64_t line = 0; line < TILES * kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+          }
+          if (next) {
+            const int64_t until = ++step * next_lines / steps;
+            for (; fetched < until; ++fetched)
+              _mm_prefetch(next + (fetched / kUnitLines) * 4 * kTileBytes + (fetched % kUnitLines) * 64, _MM_HINT_T1);
           }
           _tile_loadd(4, a + c * kChunk, kp);
           _tile_loadd(5, wt, 64);

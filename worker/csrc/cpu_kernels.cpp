@@ -194,9 +194,9 @@ inline void store_row(const float* sum, const float* bias, out_t* dst, int64_t c
 // (32 columns) for a few, where halving the units splits small layers
 // evenly between threads. A pass over a unit takes 16 rows. The weights are
 // prefetched two ways: the unit's next chunks into L1 during its first
-// pass, and the thread's next unit into L2 a slice per chunk over all of
-// this unit's passes, so the memory streams while later passes compute
-// from cache. (Two blocks of rows a pass, 2 x 2 tiles, or three weight
+// pass, and, where there are several passes (more than 16 rows), the
+// thread's next unit into L2 a slice per chunk over all of this unit's
+// passes, so the memory streams while later passes compute from cache. (Two blocks of rows a pass, 2 x 2 tiles, or three weight
 // tiles in turn, measured slower here: 10-25% at 64 and 512 rows.)
 // Only the speed depends on TILES or on how the units are split.
 template <int TILES, typename out_t>
@@ -225,7 +225,7 @@ void linear_amx_units(const at::BFloat16* x, int64_t m, int64_t k, int64_t kp, c
       if (col0 >= n) continue;  // a padding unit
       const int64_t cols = std::min(kUnitCols, n - col0);
       const at::BFloat16* wb = unit_weights(u);
-      const char* next = u + 1 < u1 ? reinterpret_cast<const char*>(unit_weights(u + 1)) : nullptr;
+      const char* next = u + 1 < u1 && m > kAmxRows ? reinterpret_cast<const char*>(unit_weights(u + 1)) : nullptr;
       const int64_t next_lines = chunks * kUnitLines, steps = (m + kAmxRows - 1) / kAmxRows * chunks;
       int64_t step = 0, fetched = 0;
       for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
