@@ -82,6 +82,23 @@ def test_bf16_linears_run_on_amx_where_the_cpu_has_it() -> None:
     torch.testing.assert_close(amx(x), brgemm(x), atol=1e-3, rtol=1e-3)
 
 
+def test_bf16_linear_outputs_round_like_torch() -> None:
+    """Each bf16 output is its float32 sum (+ bias) rounded as torch rounds (to
+    nearest even): the kernel's own rounding, against its float output; NaN is
+    written as convert.h writes it."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(150, 64, generator=gen).bfloat16()   # 150 columns: a ragged last group
+    bias = torch.randn(150, generator=gen).bfloat16()
+    x = torch.randn(37, 64, generator=gen).bfloat16()
+    x[5, 3] = float("nan")
+    rounded = cpu_kernels.InvariantLinear(weight, bias)(x)
+    exact = cpu_kernels.InvariantLinear(weight, bias, out_float=True)(x)
+    finite = torch.arange(len(x)) != 5
+    assert torch.equal(rounded[finite].view(torch.int16), exact[finite].bfloat16().view(torch.int16))
+    assert exact[5].isnan().all()
+    assert (rounded[5].view(torch.int16) == 0x7FC0).all()   # convert.h's one quiet NaN, whatever the sign
+
+
 def test_linear_threads_split_columns_only() -> None:
     weight = torch.randn(3000, 576).bfloat16()
     x = torch.randn(70, 576).bfloat16()

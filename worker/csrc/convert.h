@@ -10,6 +10,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace jitney_cpu {
 
@@ -29,6 +32,19 @@ template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
 }
+
+#if defined(__AVX512F__)
+// from_float on 16 lanes, stored to dst: the same rounding bits (to nearest
+// even, any NaN -> 0x7FC0), or the floats as they are.
+inline void store16(float* dst, __m512 v, __mmask16 lanes = 0xFFFF) { _mm512_mask_storeu_ps(dst, lanes, v); }
+inline void store16(at::BFloat16* dst, __m512 v, __mmask16 lanes = 0xFFFF) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(dst, lanes, _mm512_cvtepi32_epi16(r));
+}
+#endif
 
 // A linear layer's optional bias as n contiguous float32 values; undefined when there is none.
 inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {

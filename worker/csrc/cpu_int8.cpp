@@ -168,14 +168,30 @@ inline out_t finish(int32_t ah, int32_t al, float sx, float sw, const float* bia
 
 // The outputs of one row block (rows r0.., at most 8) and columns [col0, col0 + cols) from
 // their sums: acc row i holds the high limbs' sums, row i + 8 the low limbs', column j at j.
+// vectorised (the AMX path, with AVX-512): finish's operations in its order,
+// 16 columns at a time, and convert.h's rounding bits; the portable path
+// takes the scalar form, and a test compares the two paths' bits.
 template <typename out_t>
 inline void write_block(const int32_t* acc, int64_t r0, int64_t m, int64_t col0, int64_t cols, const float* sx,
-                        const float* sw, const float* bias, out_t* y, int64_t n) {
+                        const float* sw, const float* bias, out_t* y, int64_t n, bool vectorised) {
   const int64_t rows = std::min(kRowsPerBlock, m - r0);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j)
+  for (int64_t i = 0; i < rows; ++i) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(sx[r0 + i]), low = _mm512_set1_ps(1.0f / kLowScale);
+    for (; vectorised && j + 16 <= cols; j += 16) {
+      const __m512 ah = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i * kCols + j));
+      const __m512 al = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + (i + kRowsPerBlock) * kCols + j));
+      __m512 v = _mm512_mul_ps(_mm512_add_ps(ah, _mm512_mul_ps(al, low)),
+                               _mm512_mul_ps(s, _mm512_loadu_ps(sw + col0 + j)));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0 + j));
+      jitney_cpu::store16(y + (r0 + i) * n + col0 + j, v);
+    }
+#endif
+    for (; j < cols; ++j)
       y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
                                                  sx[r0 + i], sw[col0 + j], bias, col0 + j);
+  }
 }
 
 // The portable path: the same integers by plain loops over the same layout.
@@ -201,7 +217,7 @@ void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp
                     dst[j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
             }
           }
-        write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n);
+        write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n, false);
       }
     }
   });
@@ -278,7 +294,7 @@ void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t k
           _tile_stored(2, acc + 32, kCols * sizeof(int32_t));
           _tile_stored(3, acc + 48, kCols * sizeof(int32_t));
         }
-        write_block(acc, r0, m, col0, std::min(kUnitCols, n - col0), sx, sw, bias, y, n);
+        write_block(acc, r0, m, col0, std::min(kUnitCols, n - col0), sx, sw, bias, y, n, true);
       }
     }
     _tile_release();

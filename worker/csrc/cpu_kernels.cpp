@@ -169,22 +169,14 @@ at::Tensor pack_amx_weight(const at::Tensor& weight) {
 
 #if defined(JITNEY_AMX_BF16)
 // dst[j] = from_float(sum[j] (+ bias[j])) for j < cols (at most 64): the same
-// IEEE addition and the same rounding bits as convert.h's, 16 lanes at a time.
+// IEEE addition and convert.h's rounding bits, 16 lanes at a time.
 template <typename out_t>
 inline void store_row(const float* sum, const float* bias, out_t* dst, int64_t cols) {
   for (int64_t j = 0; j < cols; j += 16) {
     const __mmask16 lanes = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
     __m512 v = _mm512_maskz_loadu_ps(lanes, sum + j);
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + j));
-    if constexpr (std::is_same_v<out_t, float>) {
-      _mm512_mask_storeu_ps(dst + j, lanes, v);
-    } else {
-      const __m512i bits = _mm512_castps_si512(v);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-      _mm256_mask_storeu_epi16(dst + j, lanes, _mm512_cvtepi32_epi16(r));
-    }
+    jitney_cpu::store16(dst + j, v, lanes);
   }
 }
 
