@@ -188,9 +188,10 @@ inline void store_row(const float* sum, const float* bias, out_t* dst, int64_t c
 // prefetched two ways: the unit's next chunks into L1 during its first
 // pass, and, where there are several passes (more than 16 rows), the
 // thread's next unit into L2 a slice per chunk over all of this unit's
-// passes, so the memory streams while later passes compute from cache. (Two blocks of rows a pass, 2 x 2 tiles, or three weight
-// tiles in turn, measured slower here: 10-25% at 64 and 512 rows.)
-// Only the speed depends on TILES or on how the units are split.
+// passes, so the memory streams while later passes compute from cache.
+// (Two blocks of rows a pass, 2 x 2 tiles, or three weight tiles in turn
+// measured 10-25% slower here at 64 and 512 rows.) Only the speed depends
+// on TILES or on how the units are split.
 template <int TILES, typename out_t>
 void linear_amx_units(const at::BFloat16* x, int64_t m, int64_t k, int64_t kp, const at::BFloat16* packed,
                       const float* bias, out_t* y, int64_t n) {
