@@ -30,7 +30,13 @@ serve: $(STAMP)
 # Two pytest-xdist workers, a test file each at a time (module fixtures stay
 # whole), one torch thread each: on 2 cores most tests wait on processes and
 # sockets, and OpenMP threads spinning against each other would be slower.
-test: typecheck
+# The CPU kernels build (~40 s from an empty cache, a no-op once cached)
+# while mypy checks the types on the other core; a failed build stops here
+# with the compiler's output.
+test: $(STAMP)
+	$(PY) -c "from jitney.worker import cpu_kernels; cpu_kernels.load()" & build=$$!; \
+	$(MAKE) --no-print-directory typecheck; checked=$$?; \
+	wait $$build && test $$checked -eq 0
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile $(ARGS)
 
 typecheck: $(STAMP)
