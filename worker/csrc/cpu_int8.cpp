@@ -23,10 +23,10 @@
 // streams half the bytes of bf16 and widens nothing. Elsewhere a portable
 // loop computes the same integers, and so the same bits (tested).
 //
-// Weight layout, K padded to 64 and N to 64 with zeros: for each column block
-// b of 64, each K chunk c of 64 and each tile t of 16 columns, one 1 KB B tile
-// of 16 rows (K quads) x 64 bytes: byte 4j + i of row p = q[b*64 + t*16 + j,
-// c*64 + 4p + i]. Tiles are stored in (b, c, t) order, the order they stream.
+// Weight layout (amx.h's pack_weight_tiles, shared with the bf16 kernel): K
+// padded to 64 and N to 64 with zeros; for each column block b of 64, each K
+// chunk c of 64 and each tile t of 16 columns, one 1 KB B tile of 16 rows
+// (K quads) x 64 bytes: byte 4j + i of row p = q[b*64 + t*16 + j, c*64 + 4p + i].
 //
 // Compiled with the other csrc files into the jitney_cpu library.
 
@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "convert.h"
 
 #include <algorithm>
@@ -47,7 +48,6 @@
 #include <immintrin.h>
 #endif
 
-#include "amx.h"
 #if defined(JITNEY_AMX_INT8)
 #define JITNEY_AMX 1
 #endif
@@ -56,37 +56,20 @@ namespace {
 
 constexpr int64_t kCols = 64;        // output columns per block
 constexpr int64_t kChunk = 64;       // K values per tile
-constexpr int64_t kTileBytes = 1024;  // one B tile: 16 x 64 int8
 constexpr int64_t kRowsPerBlock = 8;  // activation rows per A tile (two limbs each: 16 tile rows)
 constexpr float kLowScale = 254.0f;
-constexpr int64_t kPrefetchChunks = 2;  // how far ahead the weights are prefetched, in chunks of 4 KB
 
 using jitney_cpu::from_float;  // convert.h
 using jitney_cpu::to_float;
 
-inline int64_t padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+using jitney_cpu::kTileBytes;  // amx.h
+using jitney_cpu::padded;
 
 // q (N, K) int8 -> (ceil(N / 64), Kp * 64) int8 in the tile layout above.
 at::Tensor pack_int8_weight(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "the quantized weight must be 2-D int8 (out, in)");
-  const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(n > 0 && k > 0, "the quantized weight is empty");
-  const int64_t kp = padded(k, kChunk), blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
-  at::Tensor full = at::zeros({blocks * kCols, kp}, q.options());
-  full.narrow(0, 0, n).narrow(1, 0, k).copy_(q);
-  const int8_t* w = full.data_ptr<int8_t>();
-  at::Tensor out = at::empty({blocks, kp * kCols}, q.options());
-  int8_t* o = out.data_ptr<int8_t>();
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t t = 0; t < 4; ++t) {
-        int8_t* tile = o + ((b * chunks + c) * 4 + t) * kTileBytes;
-        for (int64_t p = 0; p < 16; ++p)
-          for (int64_t j = 0; j < 16; ++j)
-            for (int64_t i = 0; i < 4; ++i)
-              tile[p * 64 + 4 * j + i] = w[(b * kCols + t * 16 + j) * kp + c * kChunk + 4 * p + i];
-      }
-  return out;
+  TORCH_CHECK(q.size(0) > 0 && q.size(1) > 0, "the quantized weight is empty");
+  return jitney_cpu::pack_weight_tiles(q.contiguous());
 }
 
 // One activation value -> its two limbs (the scalar form of limbs16 below).
@@ -232,20 +215,13 @@ using jitney_cpu::amx_ready;  // amx.h
 // rows, 2 (32 columns) for a few, where the units are streamed once and
 // halving them splits small layers evenly between threads. Only the speed
 // depends on it: every column's integer sums are the same either way.
-// Prefetches as in cpu_kernels.cpp's bf16 kernel: the unit's next chunks
-// into L1 on its first pass and, where there are several passes (more than
-// 8 rows), the thread's next unit into L2 a slice per chunk over all of
-// them (at one pass it only cost time: 8.7 against 7.2 ms at one row).
+// The weights stream with amx.h's UnitPrefetch, as in cpu_kernels.cpp's bf16 kernel.
 template <int TILES, typename out_t>
 void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
                       const float* sw, const float* bias, out_t* y, int64_t n) {
-  constexpr int64_t kUnitCols = TILES * 16, kUnitLines = TILES * kTileBytes / 64;  // 64-byte lines a chunk
-  constexpr int64_t kPerBlock = kCols / kUnitCols;
-  const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
-  const int64_t units = blocks * kPerBlock;
-  auto unit_weights = [&](int64_t u) {
-    return packed + ((u / kPerBlock) * chunks * 4 + (u % kPerBlock) * TILES) * kTileBytes;
-  };
+  constexpr int64_t kUnitCols = TILES * 16;
+  const int64_t chunks = kp / kChunk, units = padded(n, kCols) / kCols * (kCols / kUnitCols);
+  const int64_t passes = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     const jitney_cpu::TileConfig cfg;
     _tile_loadconfig(&cfg);
@@ -253,29 +229,15 @@ void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t k
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t col0 = u * kUnitCols;
       if (col0 >= n) continue;  // a padding unit
-      const int8_t* wb = unit_weights(u);
-      const int8_t* next = (u + 1 < u1 && m > kRowsPerBlock) ? unit_weights(u + 1) : nullptr;
-      const int64_t next_lines = chunks * kUnitLines, steps = (m + kRowsPerBlock - 1) / kRowsPerBlock * chunks;
-      int64_t step = 0, fetched = 0;
+      const char* wb = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
+      jitney_cpu::UnitPrefetch<TILES> prefetch(
+          u + 1 < u1 ? jitney_cpu::unit_weights<TILES>(packed, u + 1, chunks) : nullptr, chunks, passes);
       for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
         const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
-        _tile_zero(0);
-        _tile_zero(1);
-        if constexpr (TILES == 4) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
+        jitney_cpu::zero_sums<TILES>();
         for (int64_t c = 0; c < chunks; ++c) {
-          const int8_t* wt = wb + c * 4 * kTileBytes;
-          if (r0 == 0) {  // the first pass streams the unit from memory: ask for it ahead
-            const int8_t* ahead = wt + kPrefetchChunks * 4 * kTileBytes;
-            for (int64_t line = 0; line < TILES * kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-          }
-          if (next) {
-            const int64_t until = ++step * next_lines / steps;
-            for (; fetched < until; ++fetched)
-              _mm_prefetch(next + (fetched / kUnitLines) * 4 * kTileBytes + (fetched % kUnitLines) * 64, _MM_HINT_T1);
-          }
+          const char* wt = wb + c * jitney_cpu::kChunkBytes;
+          prefetch.before(wt, r0 / kRowsPerBlock);
           _tile_loadd(4, a + c * kChunk, kp);
           _tile_loadd(5, wt, 64);
           _tile_dpbssd(0, 4, 5);
@@ -288,12 +250,7 @@ void linear_amx_units(const int8_t* limbs, const float* sx, int64_t m, int64_t k
             _tile_dpbssd(3, 4, 6);
           }
         }
-        _tile_stored(0, acc, kCols * sizeof(int32_t));
-        _tile_stored(1, acc + 16, kCols * sizeof(int32_t));
-        if constexpr (TILES == 4) {
-          _tile_stored(2, acc + 32, kCols * sizeof(int32_t));
-          _tile_stored(3, acc + 48, kCols * sizeof(int32_t));
-        }
+        jitney_cpu::store_sums<TILES>(acc, kCols * sizeof(int32_t));
         write_block(acc, r0, m, col0, std::min(kUnitCols, n - col0), sx, sw, bias, y, n, true);
       }
     }

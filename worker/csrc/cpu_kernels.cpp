@@ -128,16 +128,14 @@ void linear_impl(const scalar_t* x, const scalar_t* packed, const float* bias, o
 // chunks of 32, in order, from zero, one tdpbf16ps per chunk, whatever the
 // number of rows, the width of a work unit or the threads (tested).
 //
-// Weight layout, K padded to 32 and N to 64 with zeros: for each column block
-// b of 64, each K chunk c of 32 and each tile t of 16 columns, one 1 KB B tile
-// of 16 rows (K pairs) x 32 bf16: element 2j + i of row p = W[b*64 + t*16 + j,
-// c*32 + 2p + i]. Tiles are stored in (b, c, t) order, the order they stream.
-constexpr int64_t kAmxChunk = 32;          // K values per tile
-constexpr int64_t kAmxTile = 512;          // bf16 values in one tile (1 KB)
-constexpr int64_t kAmxRows = 16;           // activation rows per A tile
-constexpr int64_t kAmxPrefetchChunks = 2;  // how far ahead the weights are prefetched, in chunks of 4 KB
+// Weight layout: amx.h's pack_weight_tiles, shared with the int8 kernel (K
+// padded to 32 and N to 64 with zeros; for each column block b of 64, each K
+// chunk c of 32 and each tile t of 16 columns, one 1 KB B tile of 16 rows (K
+// pairs) x 32 bf16: element 2j + i of row p = W[b*64 + t*16 + j, c*32 + 2p + i]).
+constexpr int64_t kAmxChunk = 32;  // K values per tile
+constexpr int64_t kAmxRows = 16;   // activation rows per A tile
 
-inline int64_t padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+using jitney_cpu::padded;  // amx.h
 
 bool use_amx_bf16() {
 #if defined(JITNEY_AMX_BF16)
@@ -145,26 +143,6 @@ bool use_amx_bf16() {
 #else
   return false;
 #endif
-}
-
-at::Tensor pack_amx_weight(const at::Tensor& weight) {
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t kp = padded(k, kAmxChunk), blocks = padded(n, kColBlock) / kColBlock, chunks = kp / kAmxChunk;
-  at::Tensor full = at::zeros({blocks * kColBlock, kp}, weight.options());
-  full.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(full.data_ptr<at::BFloat16>());
-  at::Tensor out = at::empty({blocks, kp * kColBlock}, weight.options());
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t t = 0; t < 4; ++t) {
-        uint16_t* tile = o + ((b * chunks + c) * 4 + t) * kAmxTile;
-        for (int64_t p = 0; p < 16; ++p)
-          for (int64_t j = 0; j < 16; ++j)
-            for (int64_t i = 0; i < 2; ++i)
-              tile[p * 32 + 2 * j + i] = w[(b * kColBlock + t * 16 + j) * kp + c * kAmxChunk + 2 * p + i];
-      }
-  return out;
 }
 
 #if defined(JITNEY_AMX_BF16)
@@ -184,10 +162,10 @@ inline void store_row(const float* sum, const float* bias, out_t* dst, int64_t c
 // 4: 16 activation rows (16 x 32 bf16); 5-6: weights, alternating. A work
 // unit is TILES tiles of one column block: 4 (64 columns) for many rows, 2
 // (32 columns) for a few, where halving the units splits small layers
-// evenly between threads. A pass over a unit takes 16 rows. The weights are
-// prefetched two ways: the unit's next chunks into L1 during its first
-// pass, and, where there are several passes (more than 16 rows), the
-// thread's next unit into L2 a slice per chunk over all of this unit's
+// evenly between threads. A pass over a unit takes 16 rows. The weights
+// stream with amx.h's UnitPrefetch: the unit's next chunks into L1 during
+// its first pass, and, where there are several passes (more than 16 rows),
+// the thread's next unit into L2 a slice per chunk over all of this unit's
 // passes, so the memory streams while later passes compute from cache.
 // (Two blocks of rows a pass, 2 x 2 tiles, or three weight tiles in turn
 // measured 10-25% slower here at 64 and 512 rows.) Only the speed depends
@@ -195,9 +173,9 @@ inline void store_row(const float* sum, const float* bias, out_t* dst, int64_t c
 template <int TILES, typename out_t>
 void linear_amx_units(const at::BFloat16* x, int64_t m, int64_t k, int64_t kp, const at::BFloat16* packed,
                       const float* bias, out_t* y, int64_t n) {
-  constexpr int64_t kUnitCols = TILES * 16, kUnitLines = TILES * 16;  // columns, and 64-byte lines a chunk
-  constexpr int64_t kPerBlock = kColBlock / kUnitCols;
-  const int64_t chunks = kp / kAmxChunk, units = padded(n, kColBlock) / kColBlock * kPerBlock;
+  constexpr int64_t kUnitCols = TILES * 16;
+  const int64_t chunks = kp / kAmxChunk, units = padded(n, kColBlock) / kColBlock * (kColBlock / kUnitCols);
+  const int64_t passes = (m + kAmxRows - 1) / kAmxRows;
   // The A tiles read x in place (rows of k, a multiple of 32); a last block of
   // fewer than 16 rows, or every block when k needs padding, reads a zero-padded copy.
   const int64_t copied_from = k == kp ? m / kAmxRows * kAmxRows : 0;
@@ -206,9 +184,6 @@ void linear_amx_units(const at::BFloat16* x, int64_t m, int64_t k, int64_t kp, c
   for (int64_t r = copied_from; r < m; ++r)
     std::memcpy(copy.data() + (r - copied_from) * kp, x + r * k, k * sizeof(at::BFloat16));
   const at::BFloat16* copied = copy.data();
-  auto unit_weights = [&](int64_t u) {
-    return packed + ((u / kPerBlock) * chunks * 4 + (u % kPerBlock) * TILES) * kAmxTile;
-  };
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     const jitney_cpu::TileConfig cfg;
     _tile_loadconfig(&cfg);
@@ -217,49 +192,30 @@ void linear_amx_units(const at::BFloat16* x, int64_t m, int64_t k, int64_t kp, c
       const int64_t col0 = u * kUnitCols;
       if (col0 >= n) continue;  // a padding unit
       const int64_t cols = std::min(kUnitCols, n - col0);
-      const at::BFloat16* wb = unit_weights(u);
-      const char* next = u + 1 < u1 && m > kAmxRows ? reinterpret_cast<const char*>(unit_weights(u + 1)) : nullptr;
-      const int64_t next_lines = chunks * kUnitLines, steps = (m + kAmxRows - 1) / kAmxRows * chunks;
-      int64_t step = 0, fetched = 0;
+      const char* wb = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
+      jitney_cpu::UnitPrefetch<TILES> prefetch(
+          u + 1 < u1 ? jitney_cpu::unit_weights<TILES>(packed, u + 1, chunks) : nullptr, chunks, passes);
       for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
         const bool in_place = r0 < copied_from;
         const at::BFloat16* a = in_place ? x + r0 * k : copied + (r0 - copied_from) * kp;
         const int64_t stride = (in_place ? k : kp) * static_cast<int64_t>(sizeof(at::BFloat16));
-        _tile_zero(0);
-        _tile_zero(1);
-        if constexpr (TILES == 4) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
+        jitney_cpu::zero_sums<TILES>();
         for (int64_t c = 0; c < chunks; ++c) {
-          const at::BFloat16* wt = wb + c * 4 * kAmxTile;
-          if (r0 == 0) {
-            const char* ahead = reinterpret_cast<const char*>(wt + kAmxPrefetchChunks * 4 * kAmxTile);
-            for (int64_t line = 0; line < kUnitLines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
-          }
-          if (next) {
-            const int64_t until = ++step * next_lines / steps;
-            for (; fetched < until; ++fetched)
-              _mm_prefetch(next + (fetched / kUnitLines) * 4 * 1024 + (fetched % kUnitLines) * 64, _MM_HINT_T1);
-          }
+          const char* wt = wb + c * jitney_cpu::kChunkBytes;
+          prefetch.before(wt, r0 / kAmxRows);
           _tile_loadd(4, a + c * kAmxChunk, stride);
           _tile_loadd(5, wt, 64);
           _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, wt + kAmxTile, 64);
+          _tile_loadd(6, wt + jitney_cpu::kTileBytes, 64);
           _tile_dpbf16ps(1, 4, 6);
           if constexpr (TILES == 4) {
-            _tile_loadd(5, wt + 2 * kAmxTile, 64);
+            _tile_loadd(5, wt + 2 * jitney_cpu::kTileBytes, 64);
             _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(6, wt + 3 * kAmxTile, 64);
+            _tile_loadd(6, wt + 3 * jitney_cpu::kTileBytes, 64);
             _tile_dpbf16ps(3, 4, 6);
           }
         }
-        _tile_stored(0, acc, kColBlock * sizeof(float));
-        _tile_stored(1, acc + 16, kColBlock * sizeof(float));
-        if constexpr (TILES == 4) {
-          _tile_stored(2, acc + 32, kColBlock * sizeof(float));
-          _tile_stored(3, acc + 48, kColBlock * sizeof(float));
-        }
+        jitney_cpu::store_sums<TILES>(acc, kColBlock * sizeof(float));
         const int64_t rows = std::min(kAmxRows, m - r0);
         for (int64_t i = 0; i < rows; ++i) {
           store_row(acc + i * kColBlock, bias ? bias + col0 : nullptr, y + (r0 + i) * n + col0, cols);
@@ -294,7 +250,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, bool portable) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "weight must be bfloat16 or float32");
   const at::Tensor w = weight.contiguous();
-  return amx_layout(w.scalar_type(), portable) ? pack_amx_weight(w) : pack_brgemm_weight(w);
+  return amx_layout(w.scalar_type(), portable) ? jitney_cpu::pack_weight_tiles(w) : pack_brgemm_weight(w);
 }
 
 // x (M, K) -> (M, out_features); float32 output when out_float, else x's dtype.
