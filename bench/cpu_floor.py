@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 15's benchmark: the CPU step against its bf16 matmul floor, int8, and llama.cpp, in one run.
+"""Issue 15's benchmark: the CPU step against its bf16 matmul floor, int8, int4 and llama.cpp, in one run.
 
     .venv/bin/python bench/cpu_floor.py [--cases NAME ...] [--limit N] [--out FILE] [--json FILE]
     .venv/bin/python bench/cpu_floor.py --smoke        # a tiny random model, a few requests, seconds
@@ -15,9 +15,9 @@ Everything below runs side by side in one process's run, one thing at a time:
   taken, and the better kernel's is the peak. Floor seconds = FLOPs / peak
   (attention counted at the same peak).
 * ``bf16-offline``, ``bf16-online``, ``int8-offline``, ``int8-online``,
-  ``static-8``: a fresh `jitney serve` per case with its flags, replayed by
+  ``int4-offline``, ``int4-online``, ``static-8``: a fresh `jitney serve` per case with its flags, replayed by
   `jitney bench` (``bench/run_benchmarks.run_server_case``).
-* ``decode-bf16``, ``decode-int8``: the worker's decode step at batch 1/8/64
+* ``decode-bf16``, ``decode-int8``, ``decode-int4``: the worker's decode step at batch 1/8/64
   (``bench/decode_step.measure``), model ms and execute ms.
 * ``llama-offline``, ``llama-online``: llama.cpp's `llama-server` on the
   bundled GGUF (``bench/llama_server.py``), only where it is on the PATH.
@@ -53,15 +53,19 @@ from jitney.worker.model import ModelConfig  # noqa: E402
 
 BF16 = ["--dtype", "auto"]
 INT8 = ["--dtype", "auto", "--quantization", "int8"]
+INT4 = ["--dtype", "auto", "--quantization", "int4"]
 # name -> (workload, jitney serve flags)
 SERVER_CASES: dict[str, tuple[str, list[str]]] = {
     "bf16-offline": ("offline-64.jsonl", BF16),
     "bf16-online": ("online-64.jsonl", BF16),
     "int8-offline": ("offline-64.jsonl", INT8),
     "int8-online": ("online-64.jsonl", INT8),
+    "int4-offline": ("offline-64.jsonl", INT4),
+    "int4-online": ("online-64.jsonl", INT4),
     "static-8": ("offline-64.jsonl", [*BF16, "--policy", "static", "--max-num-seqs", "8"]),
 }
-DECODE_CASES: dict[str, dict[str, Any]] = {"decode-bf16": {}, "decode-int8": {"quantization": "int8"}}
+DECODE_CASES: dict[str, dict[str, Any]] = {"decode-bf16": {}, "decode-int8": {"quantization": "int8"},
+                                           "decode-int4": {"quantization": "int4"}}
 LLAMA_CASES = {"llama-offline": "offline-64.jsonl", "llama-online": "online-64.jsonl"}
 ALL_CASES = ["floor", *DECODE_CASES, *SERVER_CASES, *LLAMA_CASES]
 DECODE_BATCHES = (1, 8, 64)
@@ -342,6 +346,11 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
          _ratio(model_ms("decode-bf16", 64), model_ms("decode-int8", 64))),
         ("online-64 TPOT p50: bf16 / int8", ">=", 1.5,
          _ratio(case("bf16-online", "tpot_s", "p50"), case("int8-online", "tpot_s", "p50"))),
+        # The issue's low-batch targets, for its optional int4.
+        ("decode step batch 1, model ms: bf16 / int4", ">=", 2.0,
+         _ratio(model_ms("decode-bf16", 1), model_ms("decode-int4", 1))),
+        ("online-64 TPOT p50: bf16 / int4", ">=", 1.5,
+         _ratio(case("bf16-online", "tpot_s", "p50"), case("int4-online", "tpot_s", "p50"))),
     ]
     return [{"target": t, "goal": f"{'≥' if op == '>=' else '≤'} {goal:g}×", "value": v,
              "met": None if v is None else (v >= goal if op == ">=" else v <= goal)} for t, op, goal, v in rows]
@@ -356,7 +365,7 @@ def render(res: dict[str, Any]) -> str:
            "Written by `bench/cpu_floor.py` from one run: every figure below was measured side by side on "
            "the same machine in this run, one case at a time; ratios between them are meaningful, absolute "
            "figures move with the machine's load. bf16 = `--dtype auto` (bfloat16 on a CPU with native "
-           "bf16 math); int8 = `--quantization int8`.", "",
+           "bf16 math); int8 = `--quantization int8`; int4 = `--quantization int4`.", "",
            f"Machine: {res['machine']}. Model: {res['model']}." + (" **Smoke run** (tiny random model, "
                                                                    "tiny workloads): no figure here means anything."
                                                                    if res["smoke"] else ""), ""]
@@ -418,8 +427,9 @@ def render(res: dict[str, Any]) -> str:
     ok = [n for n in cases if "error" not in cases[n]]
     failed = [n for n in cases if "error" in cases[n]]
     out += ["## Serving: offline-64 (64 requests at t = 0) and online-64 (Poisson, 1 request/s)", ""]
-    for title, names in (("offline-64", ["bf16-offline", "int8-offline", "static-8", "llama-offline"]),
-                         ("online-64", ["bf16-online", "int8-online", "llama-online"])):
+    for title, names in (("offline-64", ["bf16-offline", "int8-offline", "int4-offline", "static-8",
+                                         "llama-offline"]),
+                         ("online-64", ["bf16-online", "int8-online", "int4-online", "llama-online"])):
         shown = [n for n in names if n in ok]
         out += [f"### {title}", ""] + (_table(cases, shown) if shown else ["No case of it ran."]) + [""]
         if title == "online-64" and shown:

@@ -11,7 +11,9 @@ streams all of them from memory as a step does. Three kernels take turns:
 - ``brgemm``: ``InvariantLinear(portable=True)``, oneDNN's brgemm
   micro-kernel per block (what bf16 ran before the AMX kernel, and still
   runs on CPUs without AMX-BF16);
-- ``int8``: ``Int8Linear`` (``--quantization int8``).
+- ``int8``: ``Int8Linear`` (``--quantization int8``);
+- ``int4``: ``Int4Linear`` (``--quantization int4``'s layers: half a byte
+  a weight plus a byte per 32 for the group scales).
 
 The median pass of ``--reps`` is reported per shape (the first pass warms
 up), with the bytes of weights read per second, and the sum over shapes: a
@@ -34,8 +36,8 @@ from jitney.worker import cpu_kernels  # noqa: E402
 
 SHAPES = [("qkv_proj", 960, 576, 30), ("o_proj", 576, 576, 30), ("gate_up_proj", 3072, 576, 30),
           ("down_proj", 576, 1536, 30), ("lm_head", 49152, 576, 1)]
-MODES = ("bf16", "brgemm", "int8")
-BYTES_PER_WEIGHT = {"bf16": 2, "brgemm": 2, "int8": 1}
+MODES = ("bf16", "brgemm", "int8", "int4")
+BYTES_PER_WEIGHT = {"bf16": 2.0, "brgemm": 2.0, "int8": 1.0, "int4": 0.5 + 1 / 32}
 
 
 def main() -> int:
@@ -45,10 +47,10 @@ def main() -> int:
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     print(f"torch threads {torch.get_num_threads()}, AMX-BF16 {cpu_kernels.linear_uses_amx()}, "
-          f"AMX-INT8 {cpu_kernels.int8_uses_amx()}")
+          f"AMX-INT8 {cpu_kernels.int8_uses_amx()}, int4 path {cpu_kernels.int4_path()}")
     print("| rows | shape | out x in | weights | bf16 ms (GB/s) | brgemm ms (GB/s) | int8 ms (GB/s) "
-          "| brgemm / bf16 | bf16 / int8 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| int4 ms (GB/s) | brgemm / bf16 | bf16 / int8 | bf16 / int4 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
         total = dict.fromkeys(MODES, 0.0)
         for name, n, k, count in SHAPES:
@@ -56,7 +58,8 @@ def main() -> int:
             layers: dict[str, list[torch.nn.Module]] = {
                 "bf16": [cpu_kernels.InvariantLinear(w, None) for w in weights],
                 "brgemm": [cpu_kernels.InvariantLinear(w, None, portable=True) for w in weights],
-                "int8": [cpu_kernels.Int8Linear(w, None) for w in weights]}
+                "int8": [cpu_kernels.Int8Linear(w, None) for w in weights],
+                "int4": [cpu_kernels.Int4Linear(w, None) for w in weights]}
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
             times: dict[str, list[float]] = {mode: [] for mode in MODES}
             for _ in range(args.reps + 1):
@@ -71,10 +74,10 @@ def main() -> int:
             cells = " | ".join(f"{med[m] * 1e3:.2f} ({BYTES_PER_WEIGHT[m] * n * k * count / med[m] / 1e9:.0f})"
                                for m in MODES)
             print(f"| {rows} | {name} | {n} x {k} | {count} | {cells} | {med['brgemm'] / med['bf16']:.2f}x "
-                  f"| {med['bf16'] / med['int8']:.2f}x |")
+                  f"| {med['bf16'] / med['int8']:.2f}x | {med['bf16'] / med['int4']:.2f}x |")
         cells = " | ".join(f"{total[m] * 1e3:.2f}" for m in MODES)
         print(f"| {rows} | **all** | | | {cells} | {total['brgemm'] / total['bf16']:.2f}x "
-              f"| {total['bf16'] / total['int8']:.2f}x |")
+              f"| {total['bf16'] / total['int8']:.2f}x | {total['bf16'] / total['int4']:.2f}x |")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""What ``--quantization int8`` costs in accuracy, against the model in bf16 (and fp32).
+"""What ``--quantization int8`` and ``int4`` cost in accuracy, against the model in bf16 (and fp32).
 
     .venv/bin/python bench/quant_accuracy.py [--model PATH] [--out FILE] [--json FILE]
 
@@ -68,6 +68,7 @@ TEXT = (
 CASES: dict[str, list[str]] = {
     "bf16": ["--dtype", "bfloat16"],
     "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
     "fp32": ["--dtype", "float32"],
 }
 

@@ -49,8 +49,9 @@ SHAPES: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": ({}, 4),                                                     # hidden 64, 4 heads (2 KV)
     "wide": ({"hidden_size": 256, "num_heads": 8, "num_kv_heads": 4}, 16),  # head_dim 32
 }
-# Shapes run with int8 weights (--quantization int8), outside SHAPES' loops: their own test below.
-INT8_SHAPES: dict[str, tuple[dict[str, Any], int]] = {"tiny-int8": SHAPES["tiny"], "wide-int8": SHAPES["wide"]}
+# Shapes run with quantized weights (--quantization), outside SHAPES' loops: their own test below.
+QUANTIZED: dict[str, str] = {"tiny-int8": "int8", "wide-int8": "int8", "wide-int4": "int4"}
+QUANTIZED_SHAPES: dict[str, tuple[dict[str, Any], int]] = {name: SHAPES[name.split("-")[0]] for name in QUANTIZED}
 DTYPES: list[DType] = ["bfloat16", "float32"]
 REF_TOKENS = 8            # the alone runs' length; batched requests ask for at most this many
 THREADS = 1
@@ -95,12 +96,12 @@ class References:
         self.outputs: dict[tuple[str, str, int, Request], Output] = {}
 
     def config(self, shape: str, dtype: DType) -> WorkerConfig:
-        kwargs, block_size = {**SHAPES, **INT8_SHAPES}[shape]
+        kwargs, block_size = {**SHAPES, **QUANTIZED_SHAPES}[shape]
         if shape not in self.models:
             self.models[shape] = make_tiny_llama(self.root / shape, **kwargs)
         return WorkerConfig(model=str(self.models[shape]), dtype=dtype, block_size=block_size,
                             num_blocks=1024, max_num_batched_tokens=512, max_num_seqs=64,
-                            quantization="int8" if shape in INT8_SHAPES else "none")
+                            quantization=QUANTIZED.get(shape, "none"))
 
     def runner(self, shape: str, dtype: DType) -> ModelRunner:
         """A fresh runner for a batched run (the references keep their own)."""
@@ -212,19 +213,21 @@ def test_batch_of_n_matches_alone(refs: References, dtype: DType, shape: str, si
     check_against_alone(refs, shape, dtype, outputs, f"{dtype} {shape}, {size} at once")
 
 
-@pytest.mark.parametrize("shape", sorted(INT8_SHAPES))
+@pytest.mark.parametrize("shape", sorted(QUANTIZED_SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_weights_keep_batch_invariance(refs: References, dtype: DType, shape: str) -> None:
-    """--quantization int8: continuous batching with chunked prompts, two
+def test_quantized_weights_keep_batch_invariance(refs: References, dtype: DType, shape: str) -> None:
+    """--quantization int8 and int4: continuous batching with chunked prompts, two
     preemptions and prefix-cache hits gives every request its alone run's bits."""
     runner = refs.runner(shape, dtype)
-    assert runner.ready_message().quantization == "int8"
+    assert runner.ready_message().quantization == QUANTIZED[shape]
     assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.modules())
+    layer = cpu_kernels.Int4Linear if QUANTIZED[shape] == "int4" else cpu_kernels.Int8Linear
+    assert sum(isinstance(m, layer) for m in runner.model.modules()) > 0
     assert isinstance(runner.model.lm_head, cpu_kernels.Int8Linear)
     requests = mixed_requests(48)
     _, outputs = refs.batched(shape, dtype, 16, waves(requests, WAVES), two_preemptions)
     assert all(len(o.samples) == o.request.max_tokens for o in outputs.values())
-    check_against_alone(refs, shape, dtype, outputs, f"{dtype} {shape} int8, budget 16")
+    check_against_alone(refs, shape, dtype, outputs, f"{dtype} {shape}, budget 16")
 
 
 def test_the_same_schedule_twice_is_bit_identical(refs: References) -> None:

@@ -64,7 +64,7 @@ def test_smoke_run_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     # One case made to fail for sure (its server refuses the flag at once): the run must report it and go on.
     monkeypatch.setitem(cpu_floor.SERVER_CASES, "int8-offline", ("offline-64.jsonl", [*cpu_floor.INT8, "--no-such"]))
     out, js = tmp_path / "report.md", tmp_path / "report.json"
-    cases = ["floor", "decode-bf16", "decode-int8", "bf16-offline", "int8-offline", "llama-offline"]
+    cases = ["floor", "decode-bf16", "decode-int8", "decode-int4", "bf16-offline", "int8-offline", "llama-offline"]
     code = cpu_floor.main(["--smoke", "--cases", *cases, "--workdir", str(tmp_path / "work"), "--out", str(out),
                            "--json", str(js)])
     stdout = capsys.readouterr().out
@@ -76,14 +76,11 @@ def test_smoke_run_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     assert code == 1 and "int8-offline" in failed
     assert "unrecognized arguments: --no-such" in res["cases"]["int8-offline"]["error"]
     assert "**Failed cases**" in report and "| int8-offline |" in report
-    assert set(res["cases"]) == {"bf16-offline", "int8-offline"} and set(res["decode"]) == {"decode-bf16",
-                                                                                           "decode-int8"}
-    if "error" in res["decode"]["decode-int8"]:   # (until the worker has --quantization int8)
-        assert "| decode-int8 | **failed**: " in report
-    # What does not depend on the int8 work in progress must run.
+    assert set(res["cases"]) == {"bf16-offline", "int8-offline"}
+    assert set(res["decode"]) == {"decode-bf16", "decode-int8", "decode-int4"}
     assert "error" not in res["floor"] and "error" not in res["cases"]["bf16-offline"]
-    assert "error" not in res["decode"]["decode-bf16"]
-    assert [r["batch"] for r in res["decode"]["decode-bf16"]["rows"]] == [1, 8, 64]
+    for mode in res["decode"].values():
+        assert "error" not in mode and [r["batch"] for r in mode["rows"]] == [1, 8, 64]
     peak = res["floor"]["peak"]
     assert peak["peak_gflops"] == max(peak["mix_gflops"].values()) > 0
     assert len(peak["passes"]) == len(peak["pass_peaks"]) == 2           # the run's start and end
@@ -100,7 +97,7 @@ def test_smoke_run_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     assert "### The bytes floor" in report and f"{fl['bandwidth_gbs']:.1f} GB/s" in report
     # The targets: one row each, "met"/"missed" exactly where both sides were measured.
     targets = {t["target"]: t for t in res["targets"]}
-    assert len(targets) == 5
+    assert len(targets) == 7
     floor_row = next(t for name, t in targets.items() if "floor" in name)
     assert floor_row["value"] == pytest.approx(res["cases"]["bf16-offline"]["wall_s"] / res["floor"]["floor_s"])
     assert floor_row["met"] == (floor_row["value"] <= 1.6)

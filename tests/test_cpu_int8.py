@@ -144,4 +144,4 @@ def test_config_refuses_int8_off_the_cpu() -> None:
     with pytest.raises(ValueError, match="CPU only"):
         WorkerConfig(device="cuda", quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        WorkerConfig(quantization="int4")  # type: ignore[arg-type]
+        WorkerConfig(quantization="int2")  # type: ignore[arg-type]

@@ -202,6 +202,7 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
 
     - ``quantization`` int8 (the CPU): ``cpu_kernels.Int8Linear``, int8
       weights quantized here, batch-invariant whatever ``batch_invariant``;
+      int4: ``cpu_kernels.Int4Linear`` for the linear layers, the head int8;
 
     - ``batch_invariant`` on CUDA: the Triton matmul (``triton_matmul.py``);
     - ``batch_invariant`` on the CPU: ``cpu_kernels.InvariantLinear``, the head
@@ -210,16 +211,29 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
       on the number of rows; else torch's ``nn.Linear``.
     """
     head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
-    if quantization == "int8":
+    if quantization in ("int8", "int4"):
         if device.type != "cpu":
-            raise ValueError("--quantization int8 runs on the CPU only")
-        count = cpu_kernels.use_int8_linears(net.model)
-        net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)
-        if cpu_kernels.int8_uses_amx():
-            logger.info("int8 weights: %d linear layers and the head run on AMX-INT8", count)
+            raise ValueError(f"--quantization {quantization} runs on the CPU only")
+        if quantization == "int8":
+            count = cpu_kernels.use_int8_linears(net.model)
+            fast = cpu_kernels.int8_uses_amx()
+            where = "AMX-INT8" if fast else "the portable loops"
         else:
-            logger.warning("int8 weights: %d linear layers and the head run the portable loops: this CPU has no "
-                           "AMX-INT8, so they are much slower than --quantization none (same results)", count)
+            count = cpu_kernels.use_int4_linears(net.model)
+            path = cpu_kernels.int4_path()
+            fast = path != "portable"
+            where = {"amx": "AMX-INT8 (AVX-512 VNNI for up to 4 rows)", "vnni": "AVX-512 VNNI for up to 4 rows, "
+                     "the portable loops for more"}.get(path, "the portable loops")
+        # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
+        # 19.0 (bench/quant_accuracy.py; README "int4 weights").
+        net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)
+        if fast:
+            logger.info("%s weights: %d linear layers run on %s, the int8 head on AMX-INT8 where the CPU has it",
+                        quantization, count, where)
+        else:
+            logger.warning("%s weights: %d linear layers and the head run the portable loops: this CPU has no "
+                           "AMX-INT8, so they are much slower than --quantization none (same results)",
+                           quantization, count)
     elif batch_invariant and device.type == "cuda":
         try:
             from jitney.worker import triton_matmul
