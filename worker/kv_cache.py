@@ -91,10 +91,13 @@ class PagedKVCache:
             self.tensor = torch.frombuffer(self._pages, dtype=g.dtype, count=math.prod(shape)).view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=g.dtype, device=device)
+        # Each layer's views, made once: indexing them out of the tensor in every layer of
+        # every step took 0.43 ms of a one-sequence CPU decode step (cProfile).
+        self._layers = tuple((self.tensor[0, i], self.tensor[1, i]) for i in range(g.num_layers))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer."""
-        return self.tensor[0, index], self.tensor[1, index]
+        return self._layers[index]
 
     @property
     def nbytes(self) -> int:
