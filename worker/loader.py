@@ -214,26 +214,26 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
     if quantization in ("int8", "int4"):
         if device.type != "cpu":
             raise ValueError(f"--quantization {quantization} runs on the CPU only")
+        amx = cpu_kernels.int8_uses_amx()
         if quantization == "int8":
             count = cpu_kernels.use_int8_linears(net.model)
-            fast = cpu_kernels.int8_uses_amx()
-            where = "AMX-INT8" if fast else "the portable loops"
+            where = "AMX-INT8" if amx else "the portable loops"
         else:
             count = cpu_kernels.use_int4_linears(net.model)
-            path = cpu_kernels.int4_path()
-            fast = path != "portable"
-            where = {"amx": "AMX-INT8 (AVX-512 VNNI for up to 4 rows)", "vnni": "AVX-512 VNNI for up to 4 rows, "
-                     "the portable loops for more"}.get(path, "the portable loops")
+            where = {"amx": "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)",
+                     "vnni": "AVX-512 VNNI (up to 4 rows) and the portable loops (more)"}.get(
+                         cpu_kernels.int4_path(), "the portable loops")
         # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
         # 19.0 (bench/quant_accuracy.py; README "int4 weights").
         net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)
-        if fast:
-            logger.info("%s weights: %d linear layers run on %s, the int8 head on AMX-INT8 where the CPU has it",
-                        quantization, count, where)
+        head_where = "AMX-INT8" if amx else "the portable loops"
+        if "portable" not in where + head_where:
+            logger.info("%s weights: %d linear layers run on %s, the int8 head on %s", quantization, count, where,
+                        head_where)
         else:
-            logger.warning("%s weights: %d linear layers and the head run the portable loops: this CPU has no "
-                           "AMX-INT8, so they are much slower than --quantization none (same results)",
-                           quantization, count)
+            logger.warning("%s weights: %d linear layers run on %s, the int8 head on %s: this CPU lacks AMX-INT8 "
+                           "(or AVX-512 VBMI), and the portable loops are much slower than --quantization none "
+                           "(same results)", quantization, count, where, head_where)
     elif batch_invariant and device.type == "cuda":
         try:
             from jitney.worker import triton_matmul
