@@ -6,6 +6,9 @@ same per-column scales; the kernel reads them from half a byte each. So
 these tests compare it bit for bit with ``linear_int8`` on those int8
 weights (itself tested against its definition in ``test_cpu_int8.py``), on
 every path: AVX-512 VNNI (up to 4 rows), AMX (more) and the portable loops.
+That rows do not depend on their batch, and that the fast paths and the
+portable loops give the same bits, is tested with int8's, in
+``test_cpu_int8.py``.
 """
 
 from __future__ import annotations
@@ -52,44 +55,6 @@ def test_equals_int8_on_the_weights_it_stands_for(dtype: torch.dtype, shape: tup
             got = lin(x[:rows])
             want = torch.ops.jitney_cpu.linear_int8(x[:rows], packed, scale, bias, k, n, out_float, False)
             assert got.dtype == want.dtype and torch.equal(got, want), (rows, out_float)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(7)
-    weight = (torch.randn(300, 576, generator=gen) * 0.03).to(dtype)
-    lin = cpu_kernels.Int4Linear(weight, None)
-    x = torch.randn(70, 576, generator=gen).to(dtype)
-    full = lin(x)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
-        for start in (0, 5, 70 - rows):
-            assert torch.equal(lin(x[start:start + rows]), full[start:start + rows]), (rows, start)
-    for threads in (1, 2):
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            assert torch.equal(lin(x), full)
-            assert torch.equal(lin(x[:3]), full[:3])
-        finally:
-            torch.set_num_threads(old)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [3, 19])
-def test_fast_paths_and_portable_loops_give_the_same_bits(dtype: torch.dtype, rows: int) -> None:
-    """150 columns: whole 16-column groups and a ragged tail; a row of NaN outputs."""
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(150, 200, generator=gen).to(dtype)
-    lin = cpu_kernels.Int4Linear(weight, torch.randn(150, generator=gen).to(dtype))
-    x = torch.randn(rows, 200, generator=gen).to(dtype)
-    x[1, 7] = float("inf")
-    fast = lin(x)
-    assert fast[1].isnan().all() and not fast[0].isnan().any()
-    lin.portable = True
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32   # NaN's bits too
-    assert torch.equal(lin(x).view(bits), fast.view(bits))
-    if cpu_kernels.int4_path() == "portable":
-        pytest.skip("no AVX-512 VNNI or AMX-INT8 here: both calls ran the portable loops")
 
 
 def test_fast_paths_are_used_where_the_cpu_has_them() -> None:

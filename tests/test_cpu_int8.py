@@ -3,7 +3,9 @@
 The kernel's result is defined exactly (integer sums of int8 weights and the
 activations' two int8 limbs, then one float expression), so these tests
 compare it bit for bit with a torch transcription of that definition, across
-row counts (batch invariance), with AMX and with the portable loops.
+row counts (batch invariance), with AMX and with the portable loops. The
+row-count and fast-versus-portable tests run for int4 (``Int4Linear``) too;
+int4's own tests are in ``test_cpu_int4.py``.
 """
 
 from __future__ import annotations
@@ -55,14 +57,20 @@ def test_matches_its_definition_bit_for_bit(dtype: torch.dtype, shape: tuple[int
         assert torch.equal(got, reference(x, weight, bias, out_float))
 
 
+# The tests both weight formats share (``test_cpu_int4.py`` has int4's own).
+LAYERS = {"int8": cpu_kernels.Int8Linear, "int4": cpu_kernels.Int4Linear}
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype, kind: str) -> None:
+    """1-4 rows take int4's VNNI path, more its AMX one; int8 has one path."""
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn(300, 576, generator=gen) * 0.03).to(dtype)
-    lin = cpu_kernels.Int8Linear(weight, None)
+    lin = LAYERS[kind](weight, None)
     x = torch.randn(70, 576, generator=gen).to(dtype)
     full = lin(x)
-    for rows in (1, 2, 7, 8, 9, 16, 33):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
         for start in (0, 5, 70 - rows):
             assert torch.equal(lin(x[start:start + rows]), full[start:start + rows]), (rows, start)
     for threads in (1, 2):
@@ -70,26 +78,29 @@ def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
         torch.set_num_threads(threads)
         try:
             assert torch.equal(lin(x), full)
+            assert torch.equal(lin(x[:3]), full[:3])
         finally:
             torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("kind", sorted(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_amx_and_portable_loops_give_the_same_bits(dtype: torch.dtype) -> None:
-    """Also the outputs' writing: vectorised on the AMX path (150 columns: whole
+@pytest.mark.parametrize("rows", [3, 19])
+def test_fast_paths_and_portable_loops_give_the_same_bits(dtype: torch.dtype, rows: int, kind: str) -> None:
+    """Also the outputs' writing: vectorised on the fast paths (150 columns: whole
     16-column groups and a ragged tail), the scalar form on the portable one."""
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(150, 200, generator=gen).to(dtype)
-    lin = cpu_kernels.Int8Linear(weight, torch.randn(150, generator=gen).to(dtype))
-    x = torch.randn(19, 200, generator=gen).to(dtype)
-    x[4, 7] = float("inf")   # a row of NaN outputs
+    lin = LAYERS[kind](weight, torch.randn(150, generator=gen).to(dtype))
+    x = torch.randn(rows, 200, generator=gen).to(dtype)
+    x[1, 7] = float("inf")   # a row of NaN outputs
     fast = lin(x)
-    assert fast[4].isnan().all() and not fast[3].isnan().any()
+    assert fast[1].isnan().all() and not fast[0].isnan().any()
     lin.portable = True
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32   # NaN's bits too
     assert torch.equal(lin(x).view(bits), fast.view(bits))
-    if not cpu_kernels.int8_uses_amx():
-        pytest.skip("no AMX-INT8 here: both calls ran the portable loops")
+    if not (cpu_kernels.int8_uses_amx() if kind == "int8" else cpu_kernels.int4_path() != "portable"):
+        pytest.skip(f"no fast {kind} path here: both calls ran the portable loops")
 
 
 def test_error_is_the_weights_quantization() -> None:

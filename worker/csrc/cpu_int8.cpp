@@ -153,11 +153,25 @@ inline out_t finish(int32_t ah, int32_t al, float sx, float sw, const float* bia
   return from_float<out_t>(bias ? v + bias[col] : v);
 }
 
+#if defined(__AVX512F__)
+// finish on 16 columns (`lanes` of them): its operations in its order, and
+// convert.h's rounding bits; the vector paths' (AMX and VNNI) one form of it.
+// sw, bias (or null): the columns' first values.
+template <typename out_t>
+inline void finish16(__m512i ah, __m512i al, float sx, const float* sw, const float* bias, out_t* dst,
+                     __mmask16 lanes = 0xFFFF) {
+  __m512 v = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(ah),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(al), _mm512_set1_ps(1.0f / kLowScale))),
+                           _mm512_mul_ps(_mm512_set1_ps(sx), _mm512_maskz_loadu_ps(lanes, sw)));
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias));
+  jitney_cpu::store16(dst, v, lanes);
+}
+#endif
+
 // The outputs of one row block (rows r0.., at most 8) and columns [col0, col0 + cols) from
 // their sums: acc row i holds the high limbs' sums, row i + 8 the low limbs', column j at j.
-// vectorised (the AMX path, with AVX-512): finish's operations in its order,
-// 16 columns at a time, and convert.h's rounding bits; the portable path
-// takes the scalar form, and a test compares the two paths' bits.
+// vectorised (the AMX path, with AVX-512): finish16, 16 columns at a time;
+// the portable path takes the scalar form, and a test compares the two paths' bits.
 template <typename out_t>
 inline void write_block(const int32_t* acc, int64_t r0, int64_t m, int64_t col0, int64_t cols, const float* sx,
                         const float* sw, const float* bias, out_t* y, int64_t n, bool vectorised) {
@@ -165,15 +179,9 @@ inline void write_block(const int32_t* acc, int64_t r0, int64_t m, int64_t col0,
   for (int64_t i = 0; i < rows; ++i) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    const __m512 s = _mm512_set1_ps(sx[r0 + i]), low = _mm512_set1_ps(1.0f / kLowScale);
-    for (; vectorised && j + 16 <= cols; j += 16) {
-      const __m512 ah = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i * kCols + j));
-      const __m512 al = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + (i + kRowsPerBlock) * kCols + j));
-      __m512 v = _mm512_mul_ps(_mm512_add_ps(ah, _mm512_mul_ps(al, low)),
-                               _mm512_mul_ps(s, _mm512_loadu_ps(sw + col0 + j)));
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0 + j));
-      jitney_cpu::store16(y + (r0 + i) * n + col0 + j, v);
-    }
+    for (; vectorised && j + 16 <= cols; j += 16)
+      finish16(_mm512_loadu_si512(acc + i * kCols + j), _mm512_loadu_si512(acc + (i + kRowsPerBlock) * kCols + j),
+               sx[r0 + i], sw + col0 + j, bias ? bias + col0 + j : nullptr, y + (r0 + i) * n + col0 + j);
 #endif
     for (; j < cols; ++j)
       y[(r0 + i) * n + col0 + j] = finish<out_t>(acc[i * kCols + j], acc[(i + kRowsPerBlock) * kCols + j],
@@ -291,7 +299,6 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
     linear_amx_units<4>(limbs, sx, m, kp, packed, sw, bias, y, n);
   }
 }
-
 #endif
 
 bool uses_amx() {
@@ -423,18 +430,10 @@ void linear_vnni_q4_rows(const int8_t* limbs, const float* sx, int64_t kp, const
             }
         }
       }
-      // finish's operations (write_block's vector form), 16 columns.
-      const int64_t cols = std::min<int64_t>(16, n - col0);
-      const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1u);
-      const __m512 low = _mm512_set1_ps(1.0f / kLowScale);
-      const __m512 scale = _mm512_maskz_loadu_ps(lanes, sw + col0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - col0)) - 1u);
 #pragma GCC unroll 8
-      for (int r = 0; r < M; ++r) {
-        const __m512 ah = _mm512_cvtepi32_ps(total[r][0]), al = _mm512_cvtepi32_ps(total[r][1]);
-        __m512 v = _mm512_mul_ps(_mm512_add_ps(ah, _mm512_mul_ps(al, low)), _mm512_mul_ps(_mm512_set1_ps(sx[r]), scale));
-        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + col0));
-        jitney_cpu::store16(y + r * n + col0, v, lanes);
-      }
+      for (int r = 0; r < M; ++r)
+        finish16(total[r][0], total[r][1], sx[r], sw + col0, bias ? bias + col0 : nullptr, y + r * n + col0, lanes);
     }
   });
 }
@@ -569,7 +568,6 @@ struct Weights {
   const uint8_t* q4 = nullptr;
   const uint8_t* cv = nullptr;
 };
-
 
 template <typename scalar_t, typename out_t>
 void run(const at::Tensor& x, int64_t kp, const Weights& w, const float* sw, const float* bias, at::Tensor& y,
