@@ -8,6 +8,7 @@ batches of many sizes, at many positions, and with 1 or 2 threads.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 
 from bench.invariance_driver import torch_threads
 from jitney.worker import cpu_kernels
-from jitney.worker.attention import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
+from jitney.worker.attention import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout
+from jitney.worker.kv_cache import CacheGeometry, PagedKVCache
 from jitney.worker.layer_ops import TorchLayerOps, apply_rotary, rms_norm_torch
 from jitney.worker.model import rope_inv_freq
 from jitney.worker.sampler import logprobs_of, row_logsumexp, row_sums
@@ -166,8 +168,9 @@ def paged_problem(dtype: torch.dtype, heads: tuple[int, int, int], block: int, s
 
 
 def invariant_attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """InvariantCpuAttention over token-major caches ``k``, ``v`` (copied into the kernel's layout)."""
     backend = InvariantCpuAttention()
-    return backend.attend(query, k, v, backend.prepare(meta), query.shape[-1] ** -0.5)
+    return backend.attend(query, *to_kernel_layout(k, v), backend.prepare(meta), query.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -212,7 +215,7 @@ def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, h
     the arithmetic. Decodes, prefill tiles, partial blocks, NaN in unowned slots."""
     seq_lens, query_lens = [1, 16, 17, 200, 33, 100, 31], [1, 16, 1, 1, 33, 40, 20]
     query, k, v, meta, _ = paged_problem(dtype, heads, 16, seq_lens, query_lens, seed=5)
-    args = (query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    args = (query, *to_kernel_layout(k, v), meta.block_tables, meta.seq_lens, meta.query_start_loc)
     for scale in (heads[2] ** -0.5, 0.1234):
         fast = cpu_kernels.paged_attention(*args, scale)
         assert bool(torch.isfinite(fast).all())
@@ -220,13 +223,44 @@ def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, h
 
 
 def test_paged_attention_rejects_bad_metadata() -> None:
-    query, k, v, meta, _ = paged_problem(torch.float32, (4, 2, 16), 4, [9], [3])
+    query, token_k, token_v, meta, _ = paged_problem(torch.float32, (4, 2, 16), 4, [9], [3])
+    k, v = to_kernel_layout(token_k, token_v)
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_kernels.paged_attention(query.bfloat16(), k, v, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, 0.25)
     with pytest.raises(RuntimeError, match="block table"):
         cpu_kernels.paged_attention(query, k, v, meta.block_tables[:, :1], meta.seq_lens,
                                     meta.query_start_loc, 0.25)
+    with pytest.raises(RuntimeError, match="caches must be K"):   # token-major: not the kernel's layout
+        cpu_kernels.paged_attention(query, token_k, token_v, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, 0.25)
+    with pytest.raises(RuntimeError, match="is not in the cache"):
+        cpu_kernels.paged_attention(query, k, v, meta.block_tables + k.shape[0], meta.seq_lens,
+                                    meta.query_start_loc, 0.25)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_layout_holds_each_kv_head_of_a_block_in_one_run(dtype: torch.dtype) -> None:
+    """K (blocks, kvh, d / P, bs, P) with P = 4 bytes / element size, V (blocks, kvh, bs, d):
+    what the invariant backend allocates and what its write_kv writes."""
+    geometry = CacheGeometry(num_layers=1, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    pack = 2 if dtype == torch.bfloat16 else 1
+    assert InvariantCpuAttention().block_shapes(geometry) == ((2, 8 // pack, 4, pack), (2, 4, 8))
+    assert TorchPagedAttention().block_shapes(geometry) == ((4, 2, 8), (4, 2, 8))
+    cache = PagedKVCache(geometry, 5, CPU, InvariantCpuAttention().block_shapes(geometry))
+    k, v = cache.layer(0)
+    key, value = torch.randn(3, 2, 8).to(dtype), torch.randn(3, 2, 8).to(dtype)
+    slots = torch.tensor([9, 0, 19])       # block 2 token 1, block 0 token 0, block 4 token 3
+    meta = AttentionMetadata.build(query_lens=[1], seq_lens=[1], block_tables=[[0]], block_size=4, device=CPU)
+    InvariantCpuAttention().write_kv(key, value, k, v, replace(meta, slot_mapping=slots))
+    for t, (block, j) in enumerate([(2, 1), (0, 0), (4, 3)]):
+        for h in range(2):
+            assert torch.equal(v[block, h, j], value[t, h])
+            for i in range(8):
+                assert torch.equal(k[block, h, i // pack, j, i % pack], key[t, h, i])
+    token_k, token_v = torch.zeros(5, 4, 2, 8, dtype=dtype), torch.zeros(5, 4, 2, 8, dtype=dtype)
+    TorchPagedAttention().write_kv(key, value, token_k, token_v, replace(meta, slot_mapping=slots))
+    assert all(torch.equal(a, b) for a, b in zip(to_kernel_layout(token_k, token_v), (k, v)))
 
 
 # ---------------------------------------------------------------------------- elementwise and norms

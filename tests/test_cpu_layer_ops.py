@@ -27,7 +27,8 @@ import torch
 
 from bench.invariance_driver import torch_threads
 from bench.tiny_models import make_tiny_llama, make_tiny_qwen2
-from jitney.worker.attention import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
+from jitney.worker.attention import (AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention,
+                                     to_kernel_layout)
 from jitney.worker.layer_ops import InvariantCpuLayerOps, TorchLayerOps, rms_norm_torch
 from jitney.worker.model import rope_inv_freq
 
@@ -108,14 +109,27 @@ def rope_problem(dtype: torch.dtype, heads: tuple[int, int, int], rows: int, blo
             "v_cache": torch.randn(k_cache.shape, generator=gen).to(dtype)}
 
 
+def from_kernel_layout(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernel's cache layout back to token-major (num_blocks, block_size, kvh, d)."""
+    n, kvh, per_pair, bs, pack = k.shape
+    return (k.permute(0, 3, 1, 2, 4).reshape(n, bs, kvh, per_pair * pack).contiguous(),
+            v.permute(0, 2, 1, 3).contiguous())
+
+
 def run_rope(ops: TorchLayerOps, p: dict[str, Any], heads: tuple[int, int, int], dtype: torch.dtype,
-             rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k_cache, v_cache) after ops.rope_and_cache over rows ``rows`` of the problem (on cache copies)."""
-    kv = (p["k_cache"].clone(), p["v_cache"].clone())
+             rows: slice = slice(None), backend: AttentionBackend | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k_cache, v_cache) after ops.rope_and_cache over rows ``rows`` of the problem (on cache
+    copies), through ``backend``'s write_kv where ``ops`` are the torch ones. The CPU kernels
+    (and InvariantCpuAttention) write their own layout: their caches come back token-major."""
+    backend = backend if backend is not None else TorchPagedAttention()
+    kernel_layout = isinstance(ops, InvariantCpuLayerOps) or isinstance(backend, InvariantCpuAttention)
+    kv = (to_kernel_layout(p["k_cache"], p["v_cache"]) if kernel_layout
+          else (p["k_cache"].clone(), p["v_cache"].clone()))
     rope = TorchLayerOps(ops.inv_freq).rope_inputs(p["positions"][rows], dtype)
     meta = SimpleNamespace(slot_mapping=p["slots"][rows])
-    q = ops.rope_and_cache(p["qkv"][rows], rope, kv, meta, TorchPagedAttention(), heads)  # type: ignore[arg-type]
-    return q, kv[0], kv[1]
+    q = ops.rope_and_cache(p["qkv"][rows], rope, kv, meta, backend, heads)  # type: ignore[arg-type]
+    return (q, *from_kernel_layout(*kv)) if kernel_layout else (q, *kv)
 
 
 HEADS = [(9, 3, 64), (4, 2, 128), (4, 4, 32), (14, 2, 64)]
@@ -129,9 +143,11 @@ def test_rope_and_cache_equals_torch_bit_for_bit(dtype: torch.dtype, heads: tupl
     for rows in ROWS:
         p = rope_problem(dtype, heads, rows, seed=rows)
         got, expected = run_rope(ops, p, heads, dtype), run_rope(ref, p, heads, dtype)
+        # The torch ops through the invariant backend's write_kv: the kernel's layout too.
+        through_backend = run_rope(ref, p, heads, dtype, backend=InvariantCpuAttention())
         assert got[0].shape == (rows, heads[0], heads[2]) and got[0].is_contiguous()
-        for a, b in zip(got, expected):
-            assert torch.equal(a, b)
+        for a, b, c in zip(got, expected, through_backend):
+            assert torch.equal(a, b) and torch.equal(c, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,6 +213,8 @@ def test_bad_input_raises_a_clear_error(ops: InvariantCpuLayerOps) -> None:
         ops.add_rms_norm(x.clone(), torch.randn(64, 4).bfloat16().t(), w, 1e-5)
     heads = (9, 3, 64)
     p = rope_problem(torch.bfloat16, heads, 5)
+    token_major = p["k_cache"]
+    p["k_cache"], p["v_cache"] = to_kernel_layout(p["k_cache"], p["v_cache"])
 
     def rope(**changes: Any) -> None:
         q = {**p, **changes}
@@ -216,7 +234,9 @@ def test_bad_input_raises_a_clear_error(ops: InvariantCpuLayerOps) -> None:
     with pytest.raises(RuntimeError, match="cos, sin and the caches must be"):
         rope(k_cache=p["k_cache"].float(), v_cache=p["v_cache"].float())
     with pytest.raises(RuntimeError, match="caches must be"):
-        rope(k_cache=p["k_cache"][:, :, :2])
+        rope(k_cache=p["k_cache"][:, :2])
+    with pytest.raises(RuntimeError, match="caches must be K"):   # token-major: not the kernel's layout
+        rope(k_cache=token_major, v_cache=token_major.clone())
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
         rope(slots=p["slots"].int())
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
@@ -247,7 +267,8 @@ def test_model_with_cpu_layer_ops_matches_torch_layer_ops(tmp_path: Path, kind: 
     ids = torch.randint(0, 320, (23,), generator=torch.Generator().manual_seed(1))
 
     def logits() -> torch.Tensor:
-        cache = PagedKVCache(CacheGeometry(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32), 16, CPU)
+        geometry = CacheGeometry(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        cache = PagedKVCache(geometry, 16, CPU, net.backend.block_shapes(geometry))
         out = []
         for start, end in ((0, 20), (20, 21), (21, 22), (22, 23)):  # a prefill chunk, then decodes
             meta = AttentionMetadata.build(query_lens=[end - start], seq_lens=[end], block_tables=[[5, 2, 9, 0, 7, 1]],

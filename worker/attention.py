@@ -1,7 +1,9 @@
 """Paged attention: the metadata of a fused step and the backends that use it.
 
-The KV cache of one layer is two tensors shaped
-``(num_blocks, block_size, n_kv_heads, head_dim)``. Token ``p`` of a sequence
+The KV cache of one layer is two tensors of ``num_blocks`` blocks, each
+laid out as the backend reads it (``AttentionBackend.block_shapes``):
+token-major ``(num_blocks, block_size, n_kv_heads, head_dim)`` here, the CPU
+kernel's own layout for ``InvariantCpuAttention``. Token ``p`` of a sequence
 lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 A fused step flattens the new tokens of all its sequences into one ``(T,)``
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from jitney.worker import cpu_kernels
+from jitney.worker.kv_cache import BlockShapes, CacheGeometry, token_major
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,11 @@ class AttentionBackend(ABC):
         """Per-step planning, once before the first layer (default: none)."""
         return meta
 
+    def block_shapes(self, geometry: CacheGeometry) -> BlockShapes:
+        """How this backend lays out one block of K and of V (default: token-major,
+        ``(block_size, kvh, head_dim)``, the layout ``write_kv`` and ``attend`` use here)."""
+        return token_major(geometry)
+
     @abstractmethod
     def write_kv(
         self,
@@ -367,6 +375,28 @@ class TorchPagedAttention(AttentionBackend):
         return out[0]  # (Tq, nh, d)
 
 
+def kernel_block_shapes(geometry: CacheGeometry) -> BlockShapes:
+    """The CPU kernel's layout (``csrc/cpu_kernels.cpp``): K ``(kvh, d / P, block_size, P)``,
+    V ``(kvh, block_size, d)``, P = 4 bytes / element size (2 for bfloat16, 1 for float32).
+
+    Each kv head of a block is one contiguous run in both, and K holds its keys
+    in the 32-bit lanes the scores are computed in: no transpose when read.
+    """
+    bs, kvh, d = geometry.block_size, geometry.num_kv_heads, geometry.head_dim
+    pack = max(1, 4 // geometry.dtype.itemsize)
+    if d % pack:
+        raise ValueError(f"head_dim {d} is not a multiple of {pack} (the CPU kernel's K layout)")
+    return (kvh, d // pack, bs, pack), (kvh, bs, d)
+
+
+def to_kernel_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major caches ``(num_blocks, block_size, kvh, d)`` copied into the CPU kernel's layout."""
+    n, bs, kvh, d = k_cache.shape
+    pack = max(1, 4 // k_cache.element_size())
+    k = k_cache.reshape(n, bs, kvh, d // pack, pack).permute(0, 2, 3, 1, 4).contiguous()
+    return k, v_cache.permute(0, 2, 1, 3).contiguous()
+
+
 class InvariantCpuAttention(TorchPagedAttention):
     """The CPU's default path: ``cpu_kernels.paged_attention``.
 
@@ -374,8 +404,27 @@ class InvariantCpuAttention(TorchPagedAttention):
     position 0 to its own, in one fixed order (see ``csrc/cpu_kernels.cpp``):
     no gather, no padding, and the same bits for a token whatever else is in
     the step, however its prompt was chunked, and whether it is a decode or
-    a recomputed prefill token. K/V are written as in ``TorchPagedAttention``.
+    a recomputed prefill token. Its cache has the kernel's own layout
+    (``kernel_block_shapes``), written by ``write_kv`` here or by the CPU
+    layer ops' fused ``rope_and_cache``.
     """
+
+    def block_shapes(self, geometry: CacheGeometry) -> BlockShapes:
+        return kernel_block_shapes(geometry)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        _, kvh, per_pair, bs, pack = k_cache.shape
+        slots = meta.slot_mapping
+        blocks, offsets = slots // bs, slots % bs
+        k_cache[blocks, :, :, offsets] = key.reshape(-1, kvh, per_pair, pack)
+        v_cache[blocks, :, offsets] = value
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Cut the block tables to the step's widest context, as int64, once per step."""

@@ -68,19 +68,36 @@ def size_cache(
     return blocks
 
 
+BlockShapes = tuple[tuple[int, ...], tuple[int, ...]]
+"""The shapes of one block of K and of V in one layer (the attention backend's layout)."""
+
+
+def token_major(geometry: CacheGeometry) -> BlockShapes:
+    """K and V blocks shaped (block_size, kvh, head_dim): token ``j`` of a block is row ``j``."""
+    shape = (geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+    return shape, shape
+
+
 class PagedKVCache:
-    """K and V for every layer, shaped (num_blocks, block_size, kvh, head_dim).
+    """K and V for every layer, each block shaped as the attention backend
+    reads it (``block_shapes``; default ``token_major``), so a layer's K is
+    ``(num_blocks, *block_shapes[0])``.
 
     One allocation holds everything; ``layer(i)`` returns views into it.
     """
 
-    def __init__(self, geometry: CacheGeometry, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, geometry: CacheGeometry, num_blocks: int, device: torch.device,
+                 block_shapes: BlockShapes | None = None) -> None:
         self.geometry = geometry
         self.num_blocks = num_blocks
         g = geometry
-        # (2, layers, num_blocks, block_size, kvh, d); zeroed so padding reads
+        self.block_shapes = block_shapes if block_shapes is not None else token_major(g)
+        per_block = g.block_size * g.num_kv_heads * g.head_dim
+        if any(math.prod(shape) != per_block for shape in self.block_shapes):
+            raise ValueError(f"block shapes {self.block_shapes} do not hold {per_block} values a block")
+        # (2, layers, num_blocks, values a block); zeroed so padding reads
         # are finite (they are masked, but NaN * 0 would still be NaN).
-        shape = (2, g.num_layers, num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        shape = (2, g.num_layers, num_blocks, per_block)
         self._pages: mmap.mmap | None = None
         if device.type == "cpu":
             # Anonymous memory that the kernel zeroes page by page on first
@@ -93,7 +110,9 @@ class PagedKVCache:
             self.tensor = torch.zeros(shape, dtype=g.dtype, device=device)
         # Each layer's views, made once: indexing them out of the tensor in every layer of
         # every step took 0.43 ms of a one-sequence CPU decode step (cProfile).
-        self._layers = tuple((self.tensor[0, i], self.tensor[1, i]) for i in range(g.num_layers))
+        k_shape, v_shape = self.block_shapes
+        self._layers = tuple((self.tensor[0, i].view(num_blocks, *k_shape), self.tensor[1, i].view(num_blocks, *v_shape))
+                             for i in range(g.num_layers))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer."""

@@ -150,7 +150,7 @@ class ModelRunner:
                                 kv_cache_gib=config.kv_cache_gib, reserve_bytes=reserve.graphs)
         if group is not None:   # every rank holds the same blocks (of its own KV heads)
             num_blocks = group.min_int(num_blocks)
-        self.cache = PagedKVCache(geometry, num_blocks, self.device)
+        self.cache = PagedKVCache(geometry, num_blocks, self.device, backend.block_shapes(geometry))
         self.limits = PlanLimits(num_blocks=num_blocks, block_size=config.block_size,
                                  context_length=self.facts.context_length, vocab_size=self.facts.vocab_size,
                                  max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs)

@@ -53,7 +53,7 @@ def profile_activations(model: CausalLM, geometry: CacheGeometry, device: torch.
     tokens = min(max_tokens, context_length)
     bs = geometry.block_size
     blocks = -(-tokens // bs) + max_seqs
-    scratch = PagedKVCache(geometry, blocks, device)
+    scratch = PagedKVCache(geometry, blocks, device, model.backend.block_shapes(geometry))
     prefill = _peak(model, scratch, [tokens], bs, logits_rows=max_seqs)
     decode = _peak(model, scratch, [1] * max_seqs, bs, logits_rows=max_seqs)
     mixed = max((_peak(model, scratch, [t], bs, logits_rows=1) for t in mixed_buckets(tokens)[-1:]), default=0)

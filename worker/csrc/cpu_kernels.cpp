@@ -29,6 +29,9 @@
 //                     tests compare the bits), and the next block of a
 //                     sequence is prefetched while one computes: blocks lie
 //                     anywhere in the cache, out of the hardware's sight.
+//                     The cache has this kernel's own layout (see kPack):
+//                     each kv head of a block one contiguous run, K with
+//                     its keys in 32-bit lanes, so it is read untransposed.
 //
 // Compiled with -ffp-contract=off: every multiply-add is written out (fmaf
 // where it is wanted), so two inlined copies of the same code cannot round
@@ -455,11 +458,40 @@ __attribute__((always_inline)) inline float tree_reduce16(__m512 v, Op op) {
   return _mm512_cvtss_f32(v);
 }
 
+// Where block_update16 reads a 16-token block of one kv head: k(i) is dim i
+// of the 16 keys (lanes: keys), v(j, c) columns [c, c + 16) of value j, both
+// float32. FloatBlock: float32 arrays kt (D, 16) and vf (16, D), which is
+// how a float32 cache holds a block (no copy) and what a bfloat16 block is
+// widened into when many query rows share it. Bf16Block: a bfloat16 block
+// read where it lies, widened as it is read (exact), for a decode's few rows.
+template <int64_t D>
+struct FloatBlock {
+  const float* kt;
+  const float* vf;
+  __m512 k(int64_t i) const { return _mm512_loadu_ps(kt + i * 16); }
+  __m512 v(int64_t j, int64_t c) const { return _mm512_loadu_ps(vf + j * D + c); }
+};
+
+template <int64_t D>
+struct Bf16Block {
+  const at::BFloat16* kp;  // (D / 2, 16, 2): 32-bit lane j of row p = key j's dims 2p (low), 2p + 1 (high)
+  const at::BFloat16* vp;  // (16, D)
+  __m512 k(int64_t i) const {
+    const __m512i pair = _mm512_loadu_si512(kp + (i / 2) * 32);
+    return _mm512_castsi512_ps(i % 2 == 0 ? _mm512_slli_epi32(pair, 16)
+                                          : _mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+  __m512 v(int64_t j, int64_t c) const {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + j * D + c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+};
+
 // block_update<R, 16, D> in registers: the same operations, in the same
 // order, on each lane (tested bit for bit against the scalar form).
-template <int64_t R, int64_t D>
-inline void block_update16(const float* __restrict__ q, const float* __restrict__ kt, const float* __restrict__ vf,
-                           float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t n) {
+template <int64_t R, int64_t D, typename Block>
+inline void block_update16(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
+                           float* __restrict__ m, float* __restrict__ l, int64_t n) {
   static_assert(D % 64 == 0 && R >= 1 && R <= 6, "16-lane form");
   __m512 part[R][4];
   #pragma GCC unroll 16
@@ -470,7 +502,7 @@ inline void block_update16(const float* __restrict__ q, const float* __restrict_
   for (int64_t i = 0; i < D; i += 4) {
     #pragma GCC unroll 16
     for (int k = 0; k < 4; ++k) {
-      __m512 krow = _mm512_loadu_ps(kt + (i + k) * 16);
+      __m512 krow = blk.k(i + k);
       asm("" : "+v"(krow));  // one load for the R rows: keeps the compiler from folding it into each FMA
       #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) part[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + i + k]), krow, part[r][k]);
@@ -505,7 +537,7 @@ inline void block_update16(const float* __restrict__ q, const float* __restrict_
     for (int64_t j = 0; j < n; ++j) {
       __m512 vj[kVec];
       #pragma GCC unroll 16
-      for (int64_t v = 0; v < kVec; ++v) vj[v] = _mm512_loadu_ps(vf + j * D + c + 16 * v);
+      for (int64_t v = 0; v < kVec; ++v) vj[v] = blk.v(j, c + 16 * v);
       #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) {
         const __m512 wj = _mm512_set1_ps(w[r][j]);
@@ -525,26 +557,27 @@ inline void block_update16(const float* __restrict__ q, const float* __restrict_
 // AVX-512 form takes up to 6 rows a call (two tokens of three heads, say):
 // independent rows overlap each other's dependency chains (the softmax's
 // reductions and exp); the scalar form takes 4. Rows never mix either way.
+#if defined(__AVX512F__)
+template <int64_t D, typename Block>
+void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t n) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+    const float* qr = q + r0 * D;
+    float* ar = acc + r0 * D;
+    switch (std::min<int64_t>(6, rows - r0)) {
+      case 6: block_update16<6, D>(qr, blk, ar, m + r0, l + r0, n); break;
+      case 5: block_update16<5, D>(qr, blk, ar, m + r0, l + r0, n); break;
+      case 4: block_update16<4, D>(qr, blk, ar, m + r0, l + r0, n); break;
+      case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, n); break;
+      case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, n); break;
+      default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, n); break;
+    }
+  }
+}
+#endif
+
 template <int64_t BS, int64_t D>
 void block_update_rows(int64_t rows, const float* q, const float* kt, const float* vf, float* acc, float* m, float* l,
                        int64_t n, int64_t bs, int64_t d) {
-#if defined(__AVX512F__)
-  if constexpr (BS == 16 && D > 0 && D % 64 == 0) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-      const float* qr = q + r0 * D;
-      float* ar = acc + r0 * D;
-      switch (std::min<int64_t>(6, rows - r0)) {
-        case 6: block_update16<6, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
-        case 5: block_update16<5, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
-        case 4: block_update16<4, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
-        case 3: block_update16<3, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
-        case 2: block_update16<2, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
-        default: block_update16<1, D>(qr, kt, vf, ar, m + r0, l + r0, n); break;
-      }
-    }
-    return;
-  }
-#endif
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     const int64_t r = std::min<int64_t>(4, rows - r0);
     const float* qr = q + r0 * d;
@@ -558,88 +591,31 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
   }
 }
 
-// The queries [t0, t1) of one sequence for one kv head. Query t sits at
-// position pos0 + (t - t0) and attends keys [0, position]; its g heads of
-// this kv head are rows (t - t0) * g ... + g - 1.
-#if defined(__AVX512F__)
-// 16 values from the cache as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// The cache layout these kernels read (and rope_and_cache writes), per layer:
+//   K (num_blocks, kvh, head_dim / P, block_size, P), V (num_blocks, kvh, block_size, head_dim),
+// P = 4 / element size (2 for bfloat16, 1 for float32). Each (block, kv head)
+// is one contiguous run of block_size * head_dim values in both. K's 32-bit
+// lane j of row p holds key j's dims [P p, P p + P): the "keys in lanes" form
+// the scores are computed in, read without a transpose (bfloat16 dims 2p
+// and 2p + 1 widen exactly by a shift and a mask).
+template <typename scalar_t>
+constexpr int64_t kPack = 4 / static_cast<int64_t>(sizeof(scalar_t));
 
-// r[i] (lanes: columns) -> r[c] (lanes: rows), a 16 x 16 float transpose.
-__attribute__((always_inline)) inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[4g + k], lane L: rows 4g..4g+3 of column 4L + k
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-    const __m512d c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-  }
-  for (int k = 0; k < 4; ++k) {  // gather the four row groups' lanes of each column
-    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
-    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
-    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
-    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
-    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
-  }
-}
-
-// A whole 16-token cache block of one kv head: K transposed into kt (D, 16)
-// and V into vf (16, D), float32: the values of the scalar loop, vectorised.
-// bfloat16 K (D a multiple of 32) moves as pairs: each 32-bit lane holds dims
-// 2i (low half) and 2i + 1 (high half) of one key, so a 16 x 16 transpose
-// moves 32 dims, half the shuffles of transposing them as float32 (the
-// shuffle port is the kernel's busiest); each pair then widens exactly, dim
-// 2i by a shift and dim 2i + 1 by a mask.
-template <typename scalar_t, int64_t D>
-inline void convert_block16(const scalar_t* k, const scalar_t* v, int64_t row_stride, float* kt, float* vf) {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && D % 32 == 0) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    for (int64_t c = 0; c < D; c += 32) {
-      __m512 r[16];
-      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(k + j * row_stride + c));
-      transpose16(r);
-      for (int p = 0; p < 16; ++p) {
-        const __m512i pair = _mm512_castps_si512(r[p]);
-        _mm512_storeu_ps(kt + (c + 2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
-        _mm512_storeu_ps(kt + (c + 2 * p + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
-      }
-    }
-  } else {
-    for (int64_t c = 0; c < D; c += 16) {
-      __m512 r[16];
-      for (int j = 0; j < 16; ++j) r[j] = load16(k + j * row_stride + c);
-      transpose16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
-    }
-  }
-  for (int j = 0; j < 16; ++j)
-    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(vf + j * D + c, load16(v + j * row_stride + c));
-}
-#endif
-
+// Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
+// Token t sits at position pos0 + (t - t0) and attends keys [0, position];
+// its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
+// ... + g - 1. Which heads share an item changes only the speed.
 template <typename scalar_t, int64_t BS, int64_t D>
 void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
-                 scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t kv_head, const AttentionShape& s) {
+                 scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0, int64_t h1,
+                 const AttentionShape& s) {
   const int64_t d = D > 0 ? D : s.head_dim, g = s.num_heads / s.num_kv_heads;
   const int64_t bs = BS > 0 ? BS : s.block_size;
-  const int64_t nq = (t1 - t0) * g;
+  const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
+  const int64_t nq = (h1 - h0) * per_head;
   const int64_t last_pos = pos0 + (t1 - t0) - 1;
-  // Per-thread scratch, reused across items: the query rows, their running sums, the block as
+  constexpr int64_t P = kPack<scalar_t>;
+  // Per-thread scratch, reused across items: the query rows, their running sums, a block as
   // float32. kt and vf need no clearing: a lane past a block's n keys is masked, never used.
   thread_local std::vector<float> qf, acc, m, l, kt, vf;
   qf.resize(nq * d);
@@ -648,75 +624,96 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   l.assign(nq, 0.0f);
   kt.resize(d * bs);
   vf.resize(bs * d);
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t h = 0; h < g; ++h) {
-      const scalar_t* src = q + (t * s.num_heads + kv_head * g + h) * d;
-      float* dst = qf.data() + ((t - t0) * g + h) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * s.scale;
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < g; ++r) {
+        const scalar_t* src = q + (t * s.num_heads + h * g + r) * d;
+        float* dst = qf.data() + (((h - h0) * (t1 - t0) + t - t0) * g + r) * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * s.scale;
+      }
     }
   }
-  const int64_t row_stride = s.num_kv_heads * d;  // between tokens of a block
+  const int64_t run = bs * d;  // values of one (block, kv head), in K and in V
   for (int64_t blk = 0; blk * bs <= last_pos; ++blk) {
-    const int64_t base = table[blk] * bs * row_stride + kv_head * d;
 #if defined(__x86_64__)
     if ((blk + 1) * bs <= last_pos) {  // the next block lies elsewhere in the cache: ask for it now
-      const int64_t next = table[blk + 1] * bs * row_stride + kv_head * d;
-      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t j = 0; j < bs; ++j) {
-        const char* kp = reinterpret_cast<const char*>(k_cache + next + j * row_stride);
-        const char* vp = reinterpret_cast<const char*>(v_cache + next + j * row_stride);
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          _mm_prefetch(kp + off, _MM_HINT_T0);
-          _mm_prefetch(vp + off, _MM_HINT_T0);
-        }
+      const int64_t next = (table[blk + 1] * s.num_kv_heads + h0) * run;
+      const int64_t bytes = (h1 - h0) * run * static_cast<int64_t>(sizeof(scalar_t));
+      const char* kp = reinterpret_cast<const char*>(k_cache + next);
+      const char* vp = reinterpret_cast<const char*>(v_cache + next);
+      for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch(kp + off, _MM_HINT_T0);
+        _mm_prefetch(vp + off, _MM_HINT_T0);
       }
     }
 #endif
-#if defined(__AVX512F__)
-    if constexpr (BS == 16 && D > 0 && D % 16 == 0) {
-      // 16 x 16 transposes in registers, the same values. All 16 rows of a block are
-      // allocated; rows past the context are read but never used (masked, or past n).
-      convert_block16<scalar_t, D>(k_cache + base, v_cache + base, row_stride, kt.data(), vf.data());
-    } else  // the scalar loop below
-#endif
-    {
-      const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
-      for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
-        const scalar_t* kr = k_cache + base + j * row_stride;
-        const scalar_t* vr = v_cache + base + j * row_stride;
-        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kr[i]);
-        for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vr[i]);
-      }
-    }
     // The tokens that see this block: those that see only part of it one by one, then
     // those that see all of it (the rest of the tile) in one call.
     const int64_t first = std::max(t0, t0 + blk * bs - pos0);
     const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
-    for (int64_t t = first; t < whole; ++t) {
-      const int64_t n = pos0 + (t - t0) + 1 - blk * bs;
-      const int64_t row = (t - t0) * g;
-      block_update_rows<BS, D>(g, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
-                               m.data() + row, l.data() + row, n, bs, d);
-    }
-    if (whole < t1) {
-      const int64_t row = (whole - t0) * g;
-      block_update_rows<BS, D>((t1 - whole) * g, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
-                               m.data() + row, l.data() + row, bs, bs, d);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t base = (table[blk] * s.num_kv_heads + h) * run;
+      const scalar_t* kb = k_cache + base;
+      const scalar_t* vb = v_cache + base;
+      const int64_t head_row = (h - h0) * per_head;
+      auto update = [&](auto rows_update) {
+        for (int64_t t = first; t < whole; ++t) {
+          const int64_t row = head_row + (t - t0) * g;
+          rows_update(g, row, pos0 + (t - t0) + 1 - blk * bs);
+        }
+        if (whole < t1) rows_update((t1 - whole) * g, head_row + (whole - t0) * g, bs);
+      };
+#if defined(__AVX512F__)
+      if constexpr (BS == 16 && D > 0 && D % 64 == 0) {
+        auto rows16 = [&](const auto& block) {
+          update([&](int64_t rows, int64_t row, int64_t n) {
+            block_update_rows16<D>(rows, qf.data() + row * d, block, acc.data() + row * d, m.data() + row,
+                                   l.data() + row, n);
+          });
+        };
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          rows16(FloatBlock<D>{kb, vb});  // the cache's own float32 layout
+        } else if (t1 - t0 == 1) {
+          rows16(Bf16Block<D>{kb, vb});  // a decode: g rows read the block where it lies
+        } else {
+          const Bf16Block<D> raw{kb, vb};  // many rows: widen it once
+          for (int64_t i = 0; i < D; ++i) _mm512_storeu_ps(kt.data() + i * 16, raw.k(i));
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(vf.data() + j * D + c, raw.v(j, c));
+          rows16(FloatBlock<D>{kt.data(), vf.data()});
+        }
+        continue;
+      }
+#endif
+      const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
+      for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
+        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kb[((i / P) * bs + j) * P + i % P]);
+        for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vb[j * d + i]);
+      }
+      update([&](int64_t rows, int64_t row, int64_t n) {
+        block_update_rows<BS, D>(rows, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
+                                 m.data() + row, l.data() + row, n, bs, d);
+      });
     }
   }
-  for (int64_t row = 0; row < nq; ++row) {
-    const int64_t t = t0 + row / g, h = row % g;
-    const float inv = 1.0f / l[row];
-    scalar_t* dst = out + (t * s.num_heads + kv_head * g + h) * d;
-    const float* a = acc.data() + row * d;
-    for (int64_t c = 0; c < d; ++c) dst[c] = from_float<scalar_t>(a[c] * inv);
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < g; ++r) {
+        const int64_t row = ((h - h0) * (t1 - t0) + t - t0) * g + r;
+        const float inv = 1.0f / l[row];
+        scalar_t* dst = out + (t * s.num_heads + h * g + r) * d;
+        const float* a = acc.data() + row * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = from_float<scalar_t>(a[c] * inv);
+      }
+    }
   }
 }
 
 constexpr int64_t kQueryTile = 16;  // query tokens sharing one pass over the cache
+constexpr int64_t kGroupHeadsPerThread = 4;  // decodes per thread from which a decode's heads are one item
 
-// A work item: one kv head of a tile of up to kQueryTile query tokens of one sequence.
-struct Item { int64_t seq, t0, t1, pos0, head; };
+// A work item: the kv heads [h0, h1) of a tile of up to kQueryTile query tokens of one sequence.
+struct Item { int64_t seq, t0, t1, pos0, h0, h1; };
 
 template <typename scalar_t>
 void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
@@ -729,37 +726,44 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
     const Item& it = items[w];
     const int64_t* table = tables + it.seq * s.table_width;
     if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
-      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
     } else if (s.block_size == 16 && s.head_dim == 64) {
-      attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+      attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
     } else if (s.block_size == 16 && s.head_dim == 128) {
-      attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+      attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
     } else {
-      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.head, s);
+      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
     }
   }
 }
 
-// query (T, nh, d), caches (num_blocks, bs, kvh, d) -> (T, nh, d).
+// query (T, nh, d), caches in the layout above -> (T, nh, d).
 // Sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1]), the
 // last of which sits at position seq_lens[i] - 1.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, bool portable) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "query must be (T, heads, head_dim) and the caches (blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(query.dim() == 3, "query must be (T, heads, head_dim), got ", query.sizes());
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
               "query and caches differ in dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat,
+              "attention runs in bfloat16 or float32");
+  const int64_t pack = query.scalar_type() == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(v_cache.dim() == 4 && k_cache.dim() == 5 && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1) && k_cache.size(2) * pack == v_cache.size(3) &&
+                  k_cache.size(3) == v_cache.size(2) && k_cache.size(4) == pack,
+              "the caches must be K (blocks, kv_heads, head_dim / ", pack, ", block_size, ", pack,
+              ") and V (blocks, kv_heads, block_size, head_dim), got ", k_cache.sizes(), " and ", v_cache.sizes());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
               "block tables, lengths and starts must be int64");
-  AttentionShape s{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), block_tables.size(1),
+  AttentionShape s{query.size(1), v_cache.size(1), query.size(2), v_cache.size(2), block_tables.size(1),
                    static_cast<float>(scale)};
-  TORCH_CHECK(k_cache.size(3) == s.head_dim, "head_dim differs between query and caches");
+  TORCH_CHECK(v_cache.size(3) == s.head_dim, "head_dim differs between query and caches");
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.block_size <= kMaxBlock && s.head_dim <= kMaxHeadDim, "block size above ", kMaxBlock,
               " or head_dim above ", kMaxHeadDim, " is not supported by the CPU kernel");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   at::Tensor q = query.contiguous();
   at::Tensor tables = block_tables.contiguous();
   at::Tensor lens = seq_lens.contiguous();
@@ -769,15 +773,30 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(starts.size(0) == num_seqs + 1 && tables.size(0) >= num_seqs, "metadata sizes disagree");
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t num_blocks = v_cache.size(0);
+  // A decode's kv heads are one item where the step has enough decodes to keep the threads
+  // busy: its blocks' heads then stream as one run. Otherwise one item per kv head.
+  int64_t decodes = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) decodes += (sp[i + 1] - sp[i] == 1);
+  const bool group_heads = decodes >= kGroupHeadsPerThread * at::get_num_threads();
   std::vector<Item> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t t_begin = sp[i], t_end = sp[i + 1];
     TORCH_CHECK(t_end - t_begin <= lp[i], "sequence ", i, " has more queries than context");
-    TORCH_CHECK((lp[i] + s.block_size - 1) / s.block_size <= s.table_width, "sequence ", i, " outgrows its block table");
+    const int64_t used = (lp[i] + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(used <= s.table_width, "sequence ", i, " outgrows its block table");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(tp[i * s.table_width + b] >= 0 && tp[i * s.table_width + b] < num_blocks, "sequence ", i,
+                  "'s block ", tp[i * s.table_width + b], " is not in the cache of ", num_blocks, " blocks");
     const int64_t first_pos = lp[i] - (t_end - t_begin);
     for (int64_t t = t_begin; t < t_end; t += kQueryTile) {
       const int64_t t1 = std::min(t + kQueryTile, t_end);
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({i, t, t1, first_pos + (t - t_begin), h});
+      if (group_heads && t1 - t == 1 && t_end - t_begin == 1) {
+        items.push_back({i, t, t1, first_pos + (t - t_begin), 0, s.num_kv_heads});
+      } else {
+        for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({i, t, t1, first_pos + (t - t_begin), h, h + 1});
+      }
     }
   }
   // Longest items first: the threads finish together.
@@ -788,7 +807,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     attend_items(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                  tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s, portable);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "attention runs in bfloat16 or float32");
     attend_items(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                  tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s, portable);
   }

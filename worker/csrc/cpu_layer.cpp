@@ -158,11 +158,16 @@ inline void rotate_heads(const T* src, const T* cos, const T* sin, T* dst, int64
   }
 }
 
+// Stores token t's rotated k and its v in slot `slot` of the caches, in the
+// CPU attention kernel's layout (cpu_kernels.cpp): K (blocks, kvh, d / P,
+// block_size, P), V (blocks, kvh, block_size, d), P = 4 / sizeof(T).
 template <typename T>
 void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache, const int64_t* slots,
-                         T* q_out, int64_t rows, int64_t nh, int64_t kvh, int64_t d) {
-  const int64_t width = (nh + 2 * kvh) * d, kv_width = kvh * d;
+                         T* q_out, int64_t rows, int64_t nh, int64_t kvh, int64_t d, int64_t bs) {
+  constexpr int64_t P = 4 / static_cast<int64_t>(sizeof(T));
+  const int64_t width = (nh + 2 * kvh) * d;
   at::parallel_for(0, rows, kRopeGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<T> k(kvh * d);
     for (int64_t t = r0; t < r1; ++t) {
       const T* row = qkv + t * width;
       const T* c = cos + t * d;
@@ -170,13 +175,19 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
       rotate_heads(row, c, s, q_out + t * nh * d, nh, d);
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // a padding token: nothing to store
-      rotate_heads(row + nh * d, c, s, k_cache + slot * kv_width, kvh, d);
-      std::memcpy(v_cache + slot * kv_width, row + (nh + kvh) * d, kv_width * sizeof(T));
+      rotate_heads(row + nh * d, c, s, k.data(), kvh, d);
+      const int64_t block = slot / bs, j = slot % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        T* kb = k_cache + (block * kvh + h) * bs * d;
+        for (int64_t p = 0; p < d / P; ++p)
+          for (int64_t e = 0; e < P; ++e) kb[(p * bs + j) * P + e] = k[h * d + p * P + e];
+        std::memcpy(v_cache + ((block * kvh + h) * bs + j) * d, row + (nh + kvh + h) * d, d * sizeof(T));
+      }
     }
   });
 }
 
-// qkv (T, (nh + 2 kvh) d); cos, sin (T, d); caches (blocks, block_size, kvh, d);
+// qkv (T, (nh + 2 kvh) d); cos, sin (T, d); caches in the attention kernel's layout;
 // slot_mapping (T,) int64, a negative slot stores nothing. Returns q (T, nh, d).
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
@@ -197,16 +208,18 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
                   v_cache.scalar_type() == dtype,
               "rope_and_cache: cos, sin and the caches must be ", dtype);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kvh && k_cache.size(3) == d &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "rope_and_cache: caches must be (blocks, block_size, ", kvh, ", ", d, "), got ", k_cache.sizes(),
-              " and ", v_cache.sizes());
+  const int64_t pack = dtype == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(v_cache.dim() == 4 && v_cache.size(1) == kvh && v_cache.size(3) == d && k_cache.dim() == 5 &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == kvh && k_cache.size(2) * pack == d &&
+                  k_cache.size(3) == v_cache.size(2) && k_cache.size(4) == pack,
+              "rope_and_cache: the caches must be K (blocks, ", kvh, ", ", d / pack, ", block_size, ", pack,
+              ") and V (blocks, ", kvh, ", block_size, ", d, "), got ", k_cache.sizes(), " and ", v_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_and_cache: caches must be contiguous");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong,
               "rope_and_cache: slot_mapping must be (", rows, ",) int64, got ", slot_mapping.sizes(), " ",
               slot_mapping.scalar_type());
   at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous(), slots = slot_mapping.contiguous();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t bs = v_cache.size(2), capacity = v_cache.size(0) * bs;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t) {
     TORCH_CHECK(sp[t] < capacity, "rope_and_cache: slot ", sp[t], " of token ", t, " is past the cache's ",
@@ -216,10 +229,10 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   if (dtype == at::kBFloat16) {
     rope_and_cache_rows(x.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
                         k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), sp,
-                        q.data_ptr<at::BFloat16>(), rows, nh, kvh, d);
+                        q.data_ptr<at::BFloat16>(), rows, nh, kvh, d, bs);
   } else {
     rope_and_cache_rows(x.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), k_cache.data_ptr<float>(),
-                        v_cache.data_ptr<float>(), sp, q.data_ptr<float>(), rows, nh, kvh, d);
+                        v_cache.data_ptr<float>(), sp, q.data_ptr<float>(), rows, nh, kvh, d, bs);
   }
   return q;
 }
