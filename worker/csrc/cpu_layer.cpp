@@ -179,8 +179,8 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
       const int64_t block = slot / bs, j = slot % bs;
       for (int64_t h = 0; h < kvh; ++h) {
         T* kb = k_cache + (block * kvh + h) * bs * d;
-        for (int64_t p = 0; p < d / P; ++p)
-          for (int64_t e = 0; e < P; ++e) kb[(p * bs + j) * P + e] = k[h * d + p * P + e];
+        for (int64_t p = 0; p < d / P; ++p)  // one 32-bit lane a row
+          std::memcpy(kb + (p * bs + j) * P, k.data() + h * d + p * P, P * sizeof(T));
         std::memcpy(v_cache + ((block * kvh + h) * bs + j) * d, row + (nh + kvh + h) * d, d * sizeof(T));
       }
     }
