@@ -222,6 +222,27 @@ def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, h
         assert torch.equal(fast, cpu_kernels.paged_attention(*args, scale, portable=True)), scale
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 2, 16)])
+def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """From 4 decodes a thread, a decode's kv heads are one work item (a step of a few
+    decodes keeps one item a head): the bits do not change with it, on the AVX-512 form
+    and the scalar loops, with 1 and 2 threads, beside a prefill chunk."""
+    seq_lens = [1, 16, 17, 200, 33, 100, 31, 64, 5, 130, 48, 49, 90, 2, 77, 150, 120]
+    query_lens = [1] * 16 + [30]
+    query, k, v, meta, tables = paged_problem(dtype, heads, 16, seq_lens, query_lens, seed=11)
+    kernel_k, kernel_v = to_kernel_layout(k, v)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            together = invariant_attend(query, k, v, meta)
+            args = (query, kernel_k, kernel_v, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+            assert torch.equal(cpu_kernels.paged_attention(*args, heads[2] ** -0.5, portable=True), together)
+            for i in range(16):   # each decode alone: one item a kv head
+                alone = AttentionMetadata.build(query_lens=[1], seq_lens=[seq_lens[i]], block_tables=[tables[i]],
+                                                block_size=16, device=CPU)
+                assert torch.equal(invariant_attend(query[i:i + 1], k, v, alone)[0], together[i]), (threads, i)
+
+
 def test_paged_attention_rejects_bad_metadata() -> None:
     query, token_k, token_v, meta, _ = paged_problem(torch.float32, (4, 2, 16), 4, [9], [3])
     k, v = to_kernel_layout(token_k, token_v)
