@@ -282,6 +282,14 @@ def test_the_kernel_layout_holds_each_kv_head_of_a_block_in_one_run(dtype: torch
     token_k, token_v = torch.zeros(5, 4, 2, 8, dtype=dtype), torch.zeros(5, 4, 2, 8, dtype=dtype)
     TorchPagedAttention().write_kv(key, value, token_k, token_v, replace(meta, slot_mapping=slots))
     assert all(torch.equal(a, b) for a, b in zip(to_kernel_layout(token_k, token_v), (k, v)))
+    # A negative slot (a padding token) stores nothing, as rope_and_cache's.
+    before = (k.clone(), v.clone())
+    InvariantCpuAttention().write_kv(key * 2, value * 2, k, v, replace(meta, slot_mapping=torch.tensor([-1, 5, -1])))
+    assert torch.equal(v[1, 0, 1], value[1, 0] * 2)
+    changed = (v != before[1]).any(dim=-1)
+    assert changed.sum() == 2 and bool(changed[1, :, 1].all())   # block 1 token 1, both heads: nothing else
+    changed_k = (k != before[0]).nonzero()   # (block, head, pair row, token, lane) of every changed value
+    assert len(changed_k) > 0 and set(changed_k[:, 0].tolist()) == {1} and set(changed_k[:, 3].tolist()) == {1}
 
 
 # ---------------------------------------------------------------------------- elementwise and norms

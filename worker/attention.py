@@ -422,6 +422,9 @@ class InvariantCpuAttention(TorchPagedAttention):
     ) -> None:
         _, kvh, per_pair, bs, pack = k_cache.shape
         slots = meta.slot_mapping
+        stored = slots >= 0   # a negative slot is a padding token: nothing to store (as rope_and_cache)
+        if not bool(stored.all()):
+            slots, key, value = slots[stored], key[stored], value[stored]
         blocks, offsets = slots // bs, slots % bs
         k_cache[blocks, :, :, offsets] = key.reshape(-1, kvh, per_pair, pack)
         v_cache[blocks, :, offsets] = value
