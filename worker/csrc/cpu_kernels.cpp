@@ -635,23 +635,25 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   }
   const int64_t run = bs * d;  // values of one (block, kv head), in K and in V
   for (int64_t blk = 0; blk * bs <= last_pos; ++blk) {
-#if defined(__x86_64__)
-    if ((blk + 1) * bs <= last_pos) {  // the next block lies elsewhere in the cache: ask for it now
-      const int64_t next = (table[blk + 1] * s.num_kv_heads + h0) * run;
-      const int64_t bytes = (h1 - h0) * run * static_cast<int64_t>(sizeof(scalar_t));
-      const char* kp = reinterpret_cast<const char*>(k_cache + next);
-      const char* vp = reinterpret_cast<const char*>(v_cache + next);
-      for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(kp + off, _MM_HINT_T0);
-        _mm_prefetch(vp + off, _MM_HINT_T0);
-      }
-    }
-#endif
     // The tokens that see this block: those that see only part of it one by one, then
     // those that see all of it (the rest of the tile) in one call.
     const int64_t first = std::max(t0, t0 + blk * bs - pos0);
     const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
     for (int64_t h = h0; h < h1; ++h) {
+#if defined(__x86_64__)
+      // The next block lies elsewhere in the cache: ask for this head's part of it now. A
+      // head at a time spreads the requests over the block's work (all of an item's heads
+      // in one burst: 4-14% slower at 64 decodes).
+      if ((blk + 1) * bs <= last_pos) {
+        const int64_t next = (table[blk + 1] * s.num_kv_heads + h) * run;
+        const char* kp = reinterpret_cast<const char*>(k_cache + next);
+        const char* vp = reinterpret_cast<const char*>(v_cache + next);
+        for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
+          _mm_prefetch(kp + off, _MM_HINT_T0);
+          _mm_prefetch(vp + off, _MM_HINT_T0);
+        }
+      }
+#endif
       const int64_t base = (table[blk] * s.num_kv_heads + h) * run;
       const scalar_t* kb = k_cache + base;
       const scalar_t* vb = v_cache + base;
