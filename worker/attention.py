@@ -375,15 +375,20 @@ class TorchPagedAttention(AttentionBackend):
         return out[0]  # (Tq, nh, d)
 
 
+def kernel_pack(dtype: torch.dtype) -> int:
+    """P of the CPU kernel's K layout: the elements of one 32-bit lane (2 for bfloat16, 1 for float32)."""
+    return max(1, 4 // dtype.itemsize)
+
+
 def kernel_block_shapes(geometry: CacheGeometry) -> BlockShapes:
-    """The CPU kernel's layout (``csrc/cpu_kernels.cpp``): K ``(kvh, d / P, block_size, P)``,
+    """The CPU kernel's layout (``csrc/kv_layout.h``): K ``(kvh, d / P, block_size, P)``,
     V ``(kvh, block_size, d)``, P = 4 bytes / element size (2 for bfloat16, 1 for float32).
 
     Each kv head of a block is one contiguous run in both, and K holds its keys
     in the 32-bit lanes the scores are computed in: no transpose when read.
     """
     bs, kvh, d = geometry.block_size, geometry.num_kv_heads, geometry.head_dim
-    pack = max(1, 4 // geometry.dtype.itemsize)
+    pack = kernel_pack(geometry.dtype)
     if d % pack:
         raise ValueError(f"head_dim {d} is not a multiple of {pack} (the CPU kernel's K layout)")
     return (kvh, d // pack, bs, pack), (kvh, bs, d)
@@ -392,12 +397,12 @@ def kernel_block_shapes(geometry: CacheGeometry) -> BlockShapes:
 def to_kernel_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-major caches ``(num_blocks, block_size, kvh, d)`` copied into the CPU kernel's layout."""
     n, bs, kvh, d = k_cache.shape
-    pack = max(1, 4 // k_cache.element_size())
+    pack = kernel_pack(k_cache.dtype)
     k = k_cache.reshape(n, bs, kvh, d // pack, pack).permute(0, 2, 3, 1, 4).contiguous()
     return k, v_cache.permute(0, 2, 1, 3).contiguous()
 
 
-class InvariantCpuAttention(TorchPagedAttention):
+class InvariantCpuAttention(AttentionBackend):
     """The CPU's default path: ``cpu_kernels.paged_attention``.
 
     Each query token reads its own sequence's K/V blocks in place, from

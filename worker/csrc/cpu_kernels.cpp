@@ -29,7 +29,7 @@
 //                     tests compare the bits), and the next block of a
 //                     sequence is prefetched while one computes: blocks lie
 //                     anywhere in the cache, out of the hardware's sight.
-//                     The cache has this kernel's own layout (see kPack):
+//                     The cache has this kernel's own layout (kv_layout.h):
 //                     each kv head of a block one contiguous run, K with
 //                     its keys in 32-bit lanes, so it is read untransposed.
 //
@@ -48,6 +48,7 @@
 
 #include "amx.h"
 #include "convert.h"
+#include "kv_layout.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,6 +62,8 @@ namespace {
 
 using jitney_cpu::from_float;  // convert.h
 using jitney_cpu::to_float;
+using jitney_cpu::check_cache_layout;  // kv_layout.h
+using jitney_cpu::kPack;
 
 
 constexpr int64_t kRowBlock = 32;  // MB: rows per micro-kernel call
@@ -591,16 +594,6 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
   }
 }
 
-// The cache layout these kernels read (and rope_and_cache writes), per layer:
-//   K (num_blocks, kvh, head_dim / P, block_size, P), V (num_blocks, kvh, block_size, head_dim),
-// P = 4 / element size (2 for bfloat16, 1 for float32). Each (block, kv head)
-// is one contiguous run of block_size * head_dim values in both. K's 32-bit
-// lane j of row p holds key j's dims [P p, P p + P): the "keys in lanes" form
-// the scores are computed in, read without a transpose (bfloat16 dims 2p
-// and 2p + 1 widen exactly by a shift and a mask).
-template <typename scalar_t>
-constexpr int64_t kPack = 4 / static_cast<int64_t>(sizeof(scalar_t));
-
 // Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
 // Token t sits at position pos0 + (t - t0) and attends keys [0, position];
 // its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
@@ -624,11 +617,14 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   l.assign(nq, 0.0f);
   kt.resize(d * bs);
   vf.resize(bs * d);
+  // Query head r of kv head h at token t: its row here, and its offset in query and out.
+  auto row_of = [&](int64_t h, int64_t t, int64_t r) { return ((h - h0) * (t1 - t0) + t - t0) * g + r; };
+  auto offset_of = [&](int64_t h, int64_t t, int64_t r) { return (t * s.num_heads + h * g + r) * d; };
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < g; ++r) {
-        const scalar_t* src = q + (t * s.num_heads + h * g + r) * d;
-        float* dst = qf.data() + (((h - h0) * (t1 - t0) + t - t0) * g + r) * d;
+        const scalar_t* src = q + offset_of(h, t, r);
+        float* dst = qf.data() + row_of(h, t, r) * d;
         for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * s.scale;
       }
     }
@@ -701,9 +697,9 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < g; ++r) {
-        const int64_t row = ((h - h0) * (t1 - t0) + t - t0) * g + r;
+        const int64_t row = row_of(h, t, r);
         const float inv = 1.0f / l[row];
-        scalar_t* dst = out + (t * s.num_heads + h * g + r) * d;
+        scalar_t* dst = out + offset_of(h, t, r);
         const float* a = acc.data() + row * d;
         for (int64_t c = 0; c < d; ++c) dst[c] = from_float<scalar_t>(a[c] * inv);
       }
@@ -750,12 +746,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
               "query and caches differ in dtype");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat,
               "attention runs in bfloat16 or float32");
-  const int64_t pack = query.scalar_type() == at::kBFloat16 ? 2 : 1;
-  TORCH_CHECK(v_cache.dim() == 4 && k_cache.dim() == 5 && k_cache.size(0) == v_cache.size(0) &&
-                  k_cache.size(1) == v_cache.size(1) && k_cache.size(2) * pack == v_cache.size(3) &&
-                  k_cache.size(3) == v_cache.size(2) && k_cache.size(4) == pack,
-              "the caches must be K (blocks, kv_heads, head_dim / ", pack, ", block_size, ", pack,
-              ") and V (blocks, kv_heads, block_size, head_dim), got ", k_cache.sizes(), " and ", v_cache.sizes());
+  check_cache_layout(k_cache, v_cache, "paged_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
               "block tables, lengths and starts must be int64");
@@ -765,7 +756,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.block_size <= kMaxBlock && s.head_dim <= kMaxHeadDim, "block size above ", kMaxBlock,
               " or head_dim above ", kMaxHeadDim, " is not supported by the CPU kernel");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   at::Tensor q = query.contiguous();
   at::Tensor tables = block_tables.contiguous();
   at::Tensor lens = seq_lens.contiguous();

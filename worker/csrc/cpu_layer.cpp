@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "convert.h"
+#include "kv_layout.h"
 
 #include <cmath>
 #include <cstdint>
@@ -159,12 +160,11 @@ inline void rotate_heads(const T* src, const T* cos, const T* sin, T* dst, int64
 }
 
 // Stores token t's rotated k and its v in slot `slot` of the caches, in the
-// CPU attention kernel's layout (cpu_kernels.cpp): K (blocks, kvh, d / P,
-// block_size, P), V (blocks, kvh, block_size, d), P = 4 / sizeof(T).
+// CPU attention kernel's layout (kv_layout.h).
 template <typename T>
 void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache, const int64_t* slots,
                          T* q_out, int64_t rows, int64_t nh, int64_t kvh, int64_t d, int64_t bs) {
-  constexpr int64_t P = 4 / static_cast<int64_t>(sizeof(T));
+  constexpr int64_t P = jitney_cpu::kPack<T>;
   const int64_t width = (nh + 2 * kvh) * d;
   at::parallel_for(0, rows, kRopeGrain, [&](int64_t r0, int64_t r1) {
     std::vector<T> k(kvh * d);
@@ -208,13 +208,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
                   v_cache.scalar_type() == dtype,
               "rope_and_cache: cos, sin and the caches must be ", dtype);
-  const int64_t pack = dtype == at::kBFloat16 ? 2 : 1;
-  TORCH_CHECK(v_cache.dim() == 4 && v_cache.size(1) == kvh && v_cache.size(3) == d && k_cache.dim() == 5 &&
-                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == kvh && k_cache.size(2) * pack == d &&
-                  k_cache.size(3) == v_cache.size(2) && k_cache.size(4) == pack,
-              "rope_and_cache: the caches must be K (blocks, ", kvh, ", ", d / pack, ", block_size, ", pack,
-              ") and V (blocks, ", kvh, ", block_size, ", d, "), got ", k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_and_cache: caches must be contiguous");
+  jitney_cpu::check_cache_layout(k_cache, v_cache, "rope_and_cache");
+  TORCH_CHECK(v_cache.size(1) == kvh && v_cache.size(3) == d, "rope_and_cache: the caches must hold ", kvh,
+              " kv heads of ", d, " dims, got V ", v_cache.sizes());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong,
               "rope_and_cache: slot_mapping must be (", rows, ",) int64, got ", slot_mapping.sizes(), " ",
               slot_mapping.scalar_type());
