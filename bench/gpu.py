@@ -615,6 +615,8 @@ def steps_prefill(shape: str, runner: ModelRunner, run: Run) -> None:
             graphs.mixed_tokens = mixed
     if run.args.profile and is_cuda(run.args):
         profile_steps(shape, runner, run)
+    if run.args.host_profile:
+        host_profile_steps(shape, runner, run)
 
 
 def profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
@@ -652,6 +654,62 @@ def profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
                  + prof.key_averages().table(sort_by="device_time_total", row_limit=30))
     out.write_text("\n\n".join(texts))
     log(f"   profile: {out}")
+
+
+def host_profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
+    """cProfile of ``execute()``: decode steps (batch 1 and the largest) and prefill steps of the
+    largest --prefill-tokens, by own time and by cumulative time: where the host's time goes."""
+    import cProfile
+    import pstats
+
+    from jitney.engine.v1 import engine_pb2 as e
+
+    out = (run.args.out.parent if run.args.out else Path(".")) / f"host-profile-{shape}.txt"
+    per_seq, _ = runner_blocks(run, [])
+    steps = max(5, run.args.reps)
+    texts = []
+
+    def table(prof: cProfile.Profile, title: str, per: int) -> None:
+        """The 30 functions of most own time and of most cumulative time, in µs per step."""
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        rows = [(tt, ct, nc, f"{Path(file).name}:{line}({name})") for (file, line, name), (_, nc, tt, ct, _)
+                in stats.items()]
+        for key, index in (("own", 0), ("cumulative", 1)):
+            lines = [f"== {title}, by {key} time (µs per step)", f"{'own':>9} {'cum':>9} {'calls':>7}  function"]
+            for tt, ct, nc, where in sorted(rows, key=lambda r: -r[index])[:30]:
+                lines.append(f"{tt / per * 1e6:9.1f} {ct / per * 1e6:9.1f} {nc / per:7.1f}  {where}")
+            texts.append("\n".join(lines))
+
+    for batch in sorted({1, max(decode_batches(run.args))}):
+        for plan in prefill_plans(batch, run.args.context, per_seq, step_tokens(run)):
+            runner.execute(plan)
+        for k in range(3):
+            runner.execute(decode_plan(batch, run.args.context + k))
+        prof = cProfile.Profile()
+        started = time.perf_counter()
+        prof.enable()
+        for k in range(3, 3 + steps):
+            runner.execute(decode_plan(batch, run.args.context + k))
+        prof.disable()
+        elapsed = (time.perf_counter() - started) / steps
+        runner.execute(e.StepPlan(step_id=10_000, freed_seq_ids=list(range(1, batch + 1))))
+        table(prof, f"decode batch {batch}, {steps} steps ({elapsed * 1e3:.2f} ms a step under cProfile)", steps)
+    tokens = max(run.args.prefill_tokens)
+    ids, blocks = [100 + j % 40000 for j in range(tokens)], list(range(blocks_for(tokens, 16)))
+    prof = cProfile.Profile()
+    for rep in range(3):
+        plan = e.StepPlan(step_id=42_000 + rep)
+        plan.new_sequences.add(seq_id=62_000 + rep, sampling=e.SamplingConfig(seed=1))
+        plan.chunks.add(seq_id=62_000 + rep, start_position=0, token_ids=ids, new_block_ids=blocks, sample=True)
+        if rep:
+            prof.enable()
+        runner.execute(plan)
+        prof.disable()
+        runner.execute(e.StepPlan(step_id=43_000 + rep, freed_seq_ids=[62_000 + rep]))
+    table(prof, f"prefill {tokens} tokens, 2 steps", 2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n\n".join(texts))
+    log(f"   host profile: {out}")
 
 
 # ---------------------------------------------------------------- batch invariance
@@ -1227,6 +1285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="CUDA: torch.profiler tables of a decode step (batch 1, 64) and a 2048-token prefill, "
                         "written next to --out")
+    p.add_argument("--host-profile", action="store_true",
+                   help="cProfile of execute() over decode steps (batch 1, the largest) and two prefill steps, "
+                        "by own and cumulative time, written next to --out as host-profile-SHAPE.txt")
     p.add_argument("--reps", type=int, default=None, help="timed reps per measurement (default 20 on CUDA, 5 on CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
     p.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")

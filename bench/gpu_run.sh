@@ -8,7 +8,8 @@
 #
 # Here, before the call:  bash ../shared/gpu/prepare.sh && bash bench/gpu_kit.sh
 # The call:               bash bench/gpu_run.sh   (carry: .device-kit)
-# KERNELS_S=0 skips part 2 (the bench then runs the shipped worker/tuned files).
+# KERNELS_S=0 skips part 2 (the bench then runs the shipped worker/tuned files); KTESTS_S=0 or TESTS_S=0
+# skips those tests; PYTEST_N=N runs the tests on N pytest-xdist workers (the GPU image has xdist).
 set -uo pipefail
 OUT=${OUT:-/tmp/jitney-gpu-out}; mkdir -p "$OUT"
 KTESTS_S=${KTESTS_S:-100}; KERNELS_S=${KERNELS_S:-190}; BENCH_S=${BENCH_S:-200}; TESTS_S=${TESTS_S:-120}
@@ -19,9 +20,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
 # The installed wheel is jitney (PYTHONSAFEPATH and no pytest pythonpath keep the checkout's bare
 # jitney/ folder from hiding it); $PWD, later on PYTHONPATH, still serves bench/ and tests/.
-pytests() {  # pytests SECONDS FILE TESTS...
+pytests() {  # pytests SECONDS FILE TESTS...   (SECONDS 0: skipped; PYTEST_N=8: 8 xdist workers)
   local secs=$1 file=$2; shift 2
-  PYTHONSAFEPATH=1 timeout "$secs" python3 -m pytest -q -p no:cacheprovider -o pythonpath= -m "not slow" "$@" \
+  [ "$secs" = 0 ] && return 0
+  PYTHONSAFEPATH=1 timeout "$secs" python3 -m pytest -q -p no:cacheprovider -o pythonpath= -m "not slow" \
+    ${PYTEST_N:+-n $PYTEST_N} "$@" \
     > "$OUT/$file" 2>&1; echo "tests exit $?" >> "$OUT/$file"; tail -3 "$OUT/$file"
 }
 pytests "$KTESTS_S" tests-kernels.txt ${KTESTS:-tests/test_triton_skinny.py tests/test_triton_fused.py tests/test_triton_kernels.py}
