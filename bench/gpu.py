@@ -676,7 +676,7 @@ def host_profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
                 in stats.items()]
         for key, index in (("own", 0), ("cumulative", 1)):
             lines = [f"== {title}, by {key} time (µs per step)", f"{'own':>9} {'cum':>9} {'calls':>7}  function"]
-            for tt, ct, nc, where in sorted(rows, key=lambda r: -r[index])[:30]:
+            for tt, ct, nc, where in sorted(rows, key=lambda r: -float(r[index]))[:30]:
                 lines.append(f"{tt / per * 1e6:9.1f} {ct / per * 1e6:9.1f} {nc / per:7.1f}  {where}")
             texts.append("\n".join(lines))
 
