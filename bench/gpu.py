@@ -420,10 +420,14 @@ def run_server_case(name: str, model: Path, case_flags: list[str], workload: Pat
 def offline_cases(run: Run) -> list[tuple[str, list[str], str | None]]:
     """(name, flags, TRITON_CACHE_DIR) of each offline case, in order."""
     static = ["--policy", "static", "--max-num-seqs", "8"]
+    wanted = run.args.offline_cases
     if not is_cuda(run.args):   # no Triton kernels on CPU: fresh and warm are the same case
-        return [("default", [], None), ("static-8", static, None)]
-    cache = run.triton_cache = tempfile.mkdtemp(prefix="jitney-triton-cache-")   # not under workdir (may be $OUT)
-    return [("default (fresh Triton cache)", [], cache), ("default (warm)", [], cache), ("static-8", static, cache)]
+        cases = [("default", [], None, "fresh" in wanted or "warm" in wanted), ("static-8", static, None, "static" in wanted)]
+    else:
+        cache = run.triton_cache = tempfile.mkdtemp(prefix="jitney-triton-cache-")   # not under workdir (may be $OUT)
+        cases = [("default (fresh Triton cache)", [], cache, "fresh" in wanted),
+                 ("default (warm)", [], cache, "warm" in wanted), ("static-8", static, cache, "static" in wanted)]
+    return [(name, flags, cache_dir) for name, flags, cache_dir, chosen in cases if chosen]
 
 
 def section_offline(shape: str, model: Path, run: Run) -> None:
@@ -1290,6 +1294,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "by own and cumulative time, written next to --out as host-profile-SHAPE.txt")
     p.add_argument("--reps", type=int, default=None, help="timed reps per measurement (default 20 on CUDA, 5 on CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
+    p.add_argument("--offline-cases", nargs="+", choices=["fresh", "warm", "static"], default=["fresh", "warm", "static"],
+                   help="offline-64 servers to run (default all: default flags on a fresh Triton cache, again warm, "
+                        "and --policy static --max-num-seqs 8; on the CPU fresh and warm are one case)")
     p.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")
     p.add_argument("--server-reserve-s", type=float, default=None,
                    help="skip a server case with less than this left (default 25 on CUDA, 5 on CPU)")

@@ -240,6 +240,11 @@ def bad_plans() -> dict[str, pb.StepPlan]:
             step_id=99, new_sequences=[pb.NewSequence(seq_id=9, sampling=pb.SamplingConfig(temperature=-1))]
         ),
         "over token budget": chunk(start_position=0, token_ids=list(range(65)), new_block_ids=list(range(14))),
+        "block table beyond the context": chunk(new_block_ids=list(range(62))),   # 65 blocks; 256 tokens need 64
+        "long chunk's token outside vocab": chunk(token_ids=[7] * 20 + [320]),       # (read through numpy)
+        "masked chunk that does not sample": chunk(masked=True, sample=False),
+        "new seq's token from a sample": pb.StepPlan(step_id=99, new_sequences=[new], chunks=[pb.ScheduledChunk(
+            seq_id=9, start_position=0, last_token_from_sample=True, new_block_ids=[0], sample=True)]),
     }
 
 

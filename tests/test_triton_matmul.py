@@ -68,7 +68,9 @@ def test_matmul_matches_reference(dtype: torch.dtype, m: int, n: int, k: int, bi
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.cpu().float(), want, atol=atol, rtol=rtol)
     if dtype != torch.float32:  # rounded once, to nearest even: all but rare ties of the sum order agree
-        assert (got.cpu() == want.to(dtype)).float().mean().item() >= 0.99
+        # (at most 1%, or one output of a small product: on an H200 one of (1, 40)'s 40 did)
+        differ = int((got.cpu() != want.to(dtype)).sum())
+        assert differ <= max(1, got.numel() // 100), f"{differ} of {got.numel()} outputs differ"
 
 
 def test_matmul_takes_row_strides_and_empty_shapes() -> None:

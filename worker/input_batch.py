@@ -152,7 +152,8 @@ class StagedStep:
     ``padded_seqs`` >= ``num_seqs``: rows past the real ones are padding for
     a captured decode graph of that many rows (one token each, no cache
     write, no keys). Per sampled row (plan order): its persistent row, the
-    position of the token it samples and its top_logprobs count.
+    position of the token it samples, the flat index of that token and its
+    top_logprobs count.
     ``processed``: some sampled row has a penalty, a bias or a min_tokens
     ban (masks come later); ``uses_min_p``: some random row has min-p.
     """
@@ -168,6 +169,7 @@ class StagedStep:
     num_filtered: int
     sampled_rows: np.ndarray
     sample_positions: np.ndarray
+    sample_tokens: np.ndarray          # (S,) flat token index of each sampled row (the staged region's values)
     top_n: np.ndarray
     processed: bool = False
     uses_min_p: bool = False
@@ -218,7 +220,10 @@ class InputBatch:
         self._host_staging = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._staging = self._host_staging.numpy()
         self.staging = self._host_staging if not pin else torch.zeros_like(self._host_staging, device=device)
-        self._copied: torch.cuda.Event | None = None   # the last host-to-device copies
+        self._copied: torch.cuda.Event | None = None   # the last host-to-device copies, when pending
+        if pin:   # (made once; recorded on the current stream found by index, as torch's lookup is slow)
+            self._copy_event = torch.cuda.Event()
+            self._cuda_index = device.index if device.index is not None else torch.cuda.current_device()
 
     # -- persistent rows -----------------------------------------------------
 
@@ -299,17 +304,22 @@ class InputBatch:
         else:               # decode graph (or none): one padding token per padding row
             total = num_tokens + padded - n
             pad_qsl = np.arange(num_tokens + 1, num_tokens + 1 + padded - n)
-        self._fill("input_ids", np.concatenate([c.tokens for c in chunks]) if chunks else [], total)
+        ones = qlens == 1
+        num_decodes = n if ones.all() else int(np.argmin(ones))
+        self._fill_ids(chunks, num_decodes, total)
         self._fill("positions", np.arange(num_tokens) + np.repeat(starts - qsl[:-1], qlens), total)
         self._fill("token_rows", np.repeat(rows, qlens), total, pad=-1)
         self._fill("query_start_loc", np.concatenate((qsl, pad_qsl)))
         self._fill("seq_lens", seq_lens, padded)
         self._fill("seq_rows", rows, padded)
         # Sampled rows in plan order (the result lists them so), whatever the step's order.
-        sampled = np.array([i for _, i in sorted((c.plan_index, i) for i, c in enumerate(chunks) if c.sample)],
-                           dtype=np.int64)
+        sampled = np.flatnonzero(np.fromiter((c.sample for c in chunks), dtype=bool, count=n))
+        order = np.fromiter((chunks[i].plan_index for i in sampled.tolist()), dtype=np.int64, count=len(sampled))
+        if len(order) > 1 and (np.diff(order) < 0).any():
+            sampled = sampled[np.argsort(order, kind="stable")]
         sampled_rows, positions = rows[sampled], seq_lens[sampled]
-        self._fill("sample_tokens", qsl[1:][sampled] - 1)
+        sample_tokens = qsl[1:][sampled] - 1
+        self._fill("sample_tokens", sample_tokens)
         self._fill("sample_rows", sampled_rows)
         self._fill("sample_pos", positions)
         plain, filtered = self._row_groups(sampled_rows)
@@ -318,8 +328,6 @@ class InputBatch:
         self._copy_to_device()
         if self._penalised[rows].any():
             self._count_tokens(chunks, rows)
-        ones = qlens == 1
-        num_decodes = n if ones.all() else int(np.argmin(ones))
         top_n, processed, uses_min_p = np.zeros(len(sampled), dtype=np.int64), False, False
         if self._extras[sampled_rows].any():   # else: no row has anything beyond the basics
             params = [self._params[r] for r in sampled_rows]
@@ -331,9 +339,25 @@ class InputBatch:
         return StagedStep(
             num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
             [chunks[i].seq_id for i in sampled.tolist()], len(plain), len(filtered),
-            sampled_rows=sampled_rows, sample_positions=positions, top_n=top_n,
+            sampled_rows=sampled_rows, sample_positions=positions, sample_tokens=sample_tokens, top_n=top_n,
             processed=processed, uses_min_p=uses_min_p,
         )
+
+    def _fill_ids(self, chunks: list[StepChunk], num_decodes: int, pad_to: int) -> None:
+        """The step's token ids: the leading decodes' one id each, then the other chunks'."""
+        offset, _ = self.layout["input_ids"]
+        ids = self._staging[offset:offset + pad_to]
+        ids[:num_decodes] = [c.tokens[0] for c in chunks[:num_decodes]]
+        end = num_decodes
+        for c in chunks[num_decodes:]:
+            ids[end:end + len(c.tokens)] = c.tokens
+            end += len(c.tokens)
+        ids[end:] = 0
+
+    @property
+    def any_penalised(self) -> bool:
+        """Whether some live sequence has penalties (token counts)."""
+        return bool(self._penalised.any())
 
     def count_context(self, seq_id: int, token_ids: np.ndarray | Sequence[int]) -> None:
         """Count a penalised sequence's positions 0.. that it will not compute
@@ -480,8 +504,8 @@ class InputBatch:
             self.fparams.copy_(self._host_fparams, non_blocking=True)
             self.iparams.copy_(self._host_iparams, non_blocking=True)
         self._table_dirty = self._params_dirty = False
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copy_event.record(torch.cuda.current_stream(self._cuda_index))
+        self._copied = self._copy_event
 
     def _wait_for_copies(self) -> None:
         """Host buffers may be rewritten only once their last copy has left them."""

@@ -7,8 +7,9 @@ applied, so a rejected plan leaves the worker exactly as it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -78,15 +79,38 @@ class SequenceState:
     num_computed: int = 0
 
 
-def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> np.ndarray:
-    """The token ids a chunk computes (int64), its sampled placeholder filled in."""
+class ChunkRow(NamedTuple):
+    """A scheduled chunk's scalar fields, read from the message once (``chunk_rows``):
+    reading a protobuf field costs a fraction of a microsecond, and a step of 256
+    decodes would read each several times over."""
+
+    plan_index: int     # in plan.chunks
+    seq_id: int
+    start: int          # start_position
+    num_ids: int        # len(token_ids)
+    from_sample: bool   # last_token_from_sample
+    num_blocks: int     # len(new_block_ids)
+    sample: bool
+    masked: bool
+
+
+def chunk_rows(plan: engine_pb2.StepPlan) -> list[ChunkRow]:
+    return [ChunkRow(i, c.seq_id, c.start_position, len(c.token_ids), c.last_token_from_sample,
+                     len(c.new_block_ids), c.sample, c.masked) for i, c in enumerate(plan.chunks)]
+
+
+def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> np.ndarray | list[int]:
+    """The token ids a chunk computes, its sampled placeholder filled in: a list of
+    ints for a short chunk (a decode), else an int64 array (one copy in C, not a list
+    of boxed ints)."""
+    ids = chunk.token_ids
     sampled = []
     if chunk.last_token_from_sample:
         assert state.last_sampled is not None  # checked by validate_plan
         sampled.append(state.last_sampled)
-    if not chunk.token_ids:   # a decode (numpy converts an empty repeated field slowly)
-        return np.array(sampled, dtype=np.int64)
-    tokens = np.array(chunk.token_ids, dtype=np.int64)   # one copy in C, not a list of boxed ints
+    if len(ids) <= _SHORT:
+        return [*ids, *sampled]
+    tokens = np.array(ids, dtype=np.int64)
     return np.append(tokens, sampled) if sampled else tokens
 
 
@@ -164,16 +188,20 @@ def check_sampling_limits(seq: engine_pb2.NewSequence, params: ProcessorParams, 
 
 
 def validate_plan(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
-                  limits: PlanLimits) -> dict[int, SequenceState]:
+                  limits: PlanLimits, rows: list[ChunkRow] | None = None) -> dict[int, SequenceState]:
     """Raise ``PlanError`` if ``plan`` cannot be applied to ``seqs``; else return
-    the fresh states of its new sequences (``apply_plan_diffs`` may take them)."""
+    the fresh states of its new sequences (``apply_plan_diffs`` may take them).
+    ``rows``: the plan's ``chunk_rows``, if the caller has them."""
     prefix = f"step {plan.step_id}: "
+    if rows is None:
+        rows = chunk_rows(plan)
     try:
         table_lens, new_states = _check_diffs(plan, seqs, limits)
         if len(table_lens) > limits.max_num_seqs:
             raise PlanError(f"{len(table_lens)} live sequences exceed max_num_seqs {limits.max_num_seqs}")
-        _check_chunks(plan, table_lens, limits, seqs)
-        _check_history(plan, seqs, {sid: state.params for sid, state in new_states.items()})
+        if not _chunks_pass(plan, rows, table_lens, limits, seqs):
+            _check_chunks(plan, table_lens, limits, seqs)   # raises the first error, as it reads
+        _check_history(plan, rows, seqs, {sid: state.params for sid, state in new_states.items()})
     except PlanError as err:
         raise PlanError(prefix + str(err)) from None
     return new_states
@@ -199,6 +227,47 @@ def _check_diffs(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
         check_sampling_limits(new, states[new.seq_id].params, limits)
         table_lens[new.seq_id] = 0
     return table_lens, states
+
+
+# A chunk of up to this many token ids is read as Python ints (a decode's one id); longer ones
+# through numpy in one copy (a prompt's ids would be boxed one by one).
+_SHORT = 16
+
+
+def _max_id(ids: Sequence[int]) -> int:
+    return max(ids) if len(ids) <= _SHORT else int(np.array(ids).max())
+
+
+def _chunks_pass(plan: engine_pb2.StepPlan, rows: list[ChunkRow], table_lens: dict[int, int],
+                 limits: PlanLimits, seqs: Mapping[int, SequenceState]) -> bool:
+    """Whether every chunk passes ``_check_chunks``' checks, in one pass over the plan's
+    ``rows`` (a step of 256 decodes is checked in a fraction of the per-chunk walk). False
+    leaves the verdict, and the error's message, to ``_check_chunks``."""
+    if len(rows) > limits.max_num_seqs:
+        return False
+    chunks = plan.chunks
+    new_ids = {s.seq_id for s in plan.new_sequences}
+    total, seen = 0, set()
+    bs, context, max_blocks = limits.block_size, limits.context_length, -(-limits.context_length // limits.block_size)
+    for index, sid, start, num_ids, from_sample, num_blocks, sample, masked in rows:
+        table_len = table_lens.get(sid)
+        if table_len is None or sid in seen or (masked and not sample):
+            return False
+        seen.add(sid)
+        if from_sample:
+            state = seqs.get(sid)
+            if sid in new_ids or state is None or state.last_sampled is None:
+                return False
+        num_tokens = num_ids + from_sample
+        end = start + num_tokens
+        if not num_tokens or end > context or end > (table_len + num_blocks) * bs or table_len + num_blocks > max_blocks:
+            return False
+        if num_ids and _max_id(chunks[index].token_ids) >= limits.vocab_size:
+            return False
+        if num_blocks and _max_id(chunks[index].new_block_ids) >= limits.num_blocks:
+            return False
+        total += num_tokens
+    return total <= limits.max_num_batched_tokens
 
 
 def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits: PlanLimits,
@@ -233,8 +302,8 @@ def _check_chunk(chunk: engine_pb2.ScheduledChunk, table_len: int, limits: PlanL
     num_tokens = len(token_ids) + chunk.last_token_from_sample
     if not num_tokens:
         raise PlanError(f"seq {sid}: chunk has no token_ids")
-    if token_ids:   # (np.array reads a long prompt's ids in one copy; max() would box each)
-        top = int(np.array(token_ids).max())
+    if token_ids:
+        top = _max_id(token_ids)
         if top >= limits.vocab_size:
             raise PlanError(f"seq {sid}: token id {top} outside vocab of {limits.vocab_size}")
     if block_ids and max(block_ids) >= limits.num_blocks:
@@ -246,9 +315,13 @@ def _check_chunk(chunk: engine_pb2.ScheduledChunk, table_len: int, limits: PlanL
     capacity = (table_len + len(block_ids)) * limits.block_size
     if end > capacity:
         raise PlanError(f"seq {sid}: positions up to {end} exceed its block table capacity {capacity}")
+    max_blocks = -(-limits.context_length // limits.block_size)
+    if table_len + len(block_ids) > max_blocks:
+        raise PlanError(f"seq {sid}: a block table of {table_len + len(block_ids)} blocks exceeds the {max_blocks} "
+                        f"that the context length {limits.context_length} needs")
 
 
-def _check_history(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
+def _check_history(plan: engine_pb2.StepPlan, rows: list[ChunkRow], seqs: Mapping[int, SequenceState],
                    new_params: dict[int, ProcessorParams]) -> None:
     """Prompt logprobs score every prompt token from the one before it: such a
     sequence's chunks must follow each other from position 0 (the scheduler
@@ -262,28 +335,30 @@ def _check_history(plan: engine_pb2.StepPlan, seqs: Mapping[int, SequenceState],
                                 f"first chunk at {chunk.start_position}")
         if context:
             raise PlanError(f"seq {next(iter(context))}: context_token_ids but no chunk in the plan")
-    for chunk in plan.chunks:
-        sid = chunk.seq_id
+    for row in rows:
+        sid = row.seq_id
         if sid in new_params:
             params, expected = new_params[sid], 0
         else:
             state = seqs[sid]
             params, expected = state.params, state.num_computed
-        if params.prompt_logprobs is not None and chunk.start_position != expected:
+        if params.prompt_logprobs is not None and row.start != expected:
             raise PlanError(f"seq {sid}: prompt_logprobs need every position; its chunk starts at "
-                            f"{chunk.start_position}, after {expected} computed")
+                            f"{row.start}, after {expected} computed")
 
 
 def apply_plan_diffs(plan: engine_pb2.StepPlan, seqs: dict[int, SequenceState],
-                     new_states: Mapping[int, SequenceState] | None = None) -> None:
+                     new_states: Mapping[int, SequenceState] | None = None,
+                     rows: list[ChunkRow] | None = None) -> None:
     """Free, add, and extend block tables, in the plan's order (plan checked).
-    ``new_states``: ``validate_plan``'s states of the new sequences (else made again)."""
+    ``new_states``: ``validate_plan``'s states of the new sequences (else made again);
+    ``rows``: the plan's ``chunk_rows``, if the caller has them."""
     for sid in plan.freed_seq_ids:
         del seqs[sid]
     for new in plan.new_sequences:
         seqs[new.seq_id] = new_states[new.seq_id] if new_states is not None else sequence_state(new)
-    for chunk in plan.chunks:
-        state = seqs[chunk.seq_id]
-        if chunk.new_block_ids:
-            state.block_table.extend(chunk.new_block_ids)
-        state.num_computed = chunk.start_position + len(chunk.token_ids) + chunk.last_token_from_sample
+    for row in rows if rows is not None else chunk_rows(plan):
+        state = seqs[row.seq_id]
+        if row.num_blocks:
+            state.block_table.extend(plan.chunks[row.plan_index].new_block_ids)
+        state.num_computed = row.start + row.num_ids + row.from_sample

@@ -49,7 +49,8 @@ from jitney.worker.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loader import load_model
 from jitney.worker.model import no_reduce
 from jitney.worker.parallel import TensorParallelGroup
-from jitney.worker.plan import PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_tokens, validate_plan
+from jitney.worker.plan import (ChunkRow, PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_rows,
+                                chunk_tokens, validate_plan)
 from jitney.worker.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.warmup import profile_activations, warm_up
 from jitney.worker.weights_cache import WeightsCache
@@ -160,6 +161,7 @@ class ModelRunner:
         self._scoring: set[int] = set()
         self._prompt_carry: dict[int, torch.Tensor] = {}
         graph_safe = self.model.backend.graph_safe
+        self._timer = _ModelTimer(self.device)
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
                                 max_blocks_per_seq=-(-self.facts.context_length // config.block_size),
                                 block_size=config.block_size, device=self.device, vocab_size=self.facts.vocab_size,
@@ -213,17 +215,18 @@ class ModelRunner:
         """
         if self.group is not None and self.group.rank == 0:
             self._relay(plan)
-        new_states = validate_plan(plan, {} if plan.reset else self.sequences, self.limits)
-        masked = [c.seq_id for c in plan.chunks if c.masked]
+        rows = chunk_rows(plan)
+        new_states = validate_plan(plan, {} if plan.reset else self.sequences, self.limits, rows)
+        masked = [r.seq_id for r in rows if r.masked]
         if masked and wait_for_masks is None and self.samples:   # (the other ranks never read masks)
             raise PlanError(f"step {plan.step_id}: masked chunks, but no masks to wait for")
         if plan.reset:
             self._forget_all()
-        self._apply(plan, new_states)
+        self._apply(plan, new_states, rows)
         result = engine_pb2.StepResult(step_id=plan.step_id)
-        if plan.chunks:
+        if rows:
             masking = (plan.step_id, masked, wait_for_masks) if masked and wait_for_masks is not None else None
-            self._run(self._chunks(plan), result, masking)
+            self._run(self._chunks(plan, rows), result, masking)
         return result
 
     def _relay(self, plan: engine_pb2.StepPlan) -> None:
@@ -249,17 +252,17 @@ class ModelRunner:
         self._scoring.clear()
         self._prompt_carry.clear()
 
-    def _apply(self, plan: engine_pb2.StepPlan, new_states: dict[int, SequenceState]) -> None:
-        """The plan's diffs (``new_states``: its new sequences' checked states), to the
-        sequence states and to the persistent batch's rows."""
+    def _apply(self, plan: engine_pb2.StepPlan, new_states: dict[int, SequenceState], rows: list[ChunkRow]) -> None:
+        """The plan's diffs (``new_states``: its new sequences' checked states; ``rows``: its
+        ``chunk_rows``), to the sequence states and to the persistent batch's rows."""
         seqs = self.sequences
-        # Positions computed before this step, per chunk (a new sequence: its context tokens).
+        # Positions computed before this step, per penalised chunk (a new sequence: its context tokens).
         computed = {n.seq_id: len(n.context_token_ids) for n in plan.new_sequences}
-        for c in plan.chunks:
-            sid = c.seq_id
-            if sid not in computed:
-                computed[sid] = seqs[sid].num_computed
-        apply_plan_diffs(plan, seqs, new_states)
+        if self.batch.any_penalised:
+            for r in rows:
+                if r.seq_id not in computed:
+                    computed[r.seq_id] = seqs[r.seq_id].num_computed
+        apply_plan_diffs(plan, seqs, new_states, rows)
         for sid in plan.freed_seq_ids:
             self.batch.remove(sid)
             self._scoring.discard(sid)
@@ -271,20 +274,26 @@ class ModelRunner:
                 self.batch.count_context(new.seq_id, np.array(new.context_token_ids, dtype=np.int64))
             if s.params.prompt_logprobs is not None:
                 self._scoring.add(new.seq_id)
-        for chunk in plan.chunks:
-            self.batch.extend_blocks(chunk.seq_id, chunk.new_block_ids)
-            if chunk.start_position != computed[chunk.seq_id] and seqs[chunk.seq_id].params.penalised:
+        for r in rows:
+            if r.num_blocks:
+                self.batch.extend_blocks(r.seq_id, plan.chunks[r.plan_index].new_block_ids)
+            if seqs[r.seq_id].params.penalised and r.start != computed[r.seq_id]:
                 # Counts are built from the tokens the worker computes: those before are not seen.
                 logger.warning("seq %d: penalties do not count the %d positions before %d (a cached prefix?)",
-                               chunk.seq_id, chunk.start_position - computed[chunk.seq_id], chunk.start_position)
+                               r.seq_id, r.start - computed[r.seq_id], r.start)
 
-    def _chunks(self, plan: engine_pb2.StepPlan) -> list[StepChunk]:
-        """The plan's chunks, decodes first and shortest context first (the CPU
+    def _chunks(self, plan: engine_pb2.StepPlan, rows: list[ChunkRow]) -> list[StepChunk]:
+        """The plan's chunks, decodes first; on the CPU also shortest context first (its
         attention backend batches decodes in runs of similar length)."""
         seqs = self.sequences
-        chunks = [StepChunk(c.seq_id, c.start_position, chunk_tokens(c, seqs[c.seq_id]), c.sample, i)
-                  for i, c in enumerate(plan.chunks)]
-        chunks.sort(key=_decodes_first)
+        chunks = [StepChunk(r.seq_id, r.start,
+                            [_last_sampled(seqs[r.seq_id])] if not r.num_ids   # (a decode of the sampled token)
+                            else chunk_tokens(plan.chunks[r.plan_index], seqs[r.seq_id]), r.sample, r.plan_index)
+                  for r in rows]
+        if self.device.type == "cpu":
+            chunks.sort(key=_decodes_first)
+        elif not all(len(c.tokens) == 1 for c in chunks):
+            chunks.sort(key=_not_a_decode)   # (stable: plan order within each part)
         return chunks
 
     def _run(self, chunks: list[StepChunk], result: engine_pb2.StepResult,
@@ -303,14 +312,15 @@ class ModelRunner:
             step = self.batch.stage(chunks, pad_seqs_to=size or 0)
         # Attention metadata (and the CPU backend's plan) before the model's clock starts.
         meta = self.model.backend.prepare(self.batch.step_metadata(step)) if size is None and bucket is None else None
-        timer = _ModelTimer(self.device)
+        timer = self._timer
+        timer.start()
         plain_greedy = (step.num_plain == step.num_filtered == 0 and not step.processed
                         and not step.top_n.any() and masking is None)
         if graphs is not None and size is not None and plain_greedy:
             _, greedy = graphs.logits(size)   # every row greedy, unprocessed: the graph's own choice is the result
             timer.stop()
-            sampled = self.batch.region("sample_tokens", step.num_sampled)
-            tokens, logprobs = _unpack(greedy.index_select(1, sampled).cpu())
+            # The (2, size) choices come back whole (a few KB): the sampled rows are picked on the host.
+            tokens, logprobs = _unpack(greedy.cpu().numpy()[:, step.sample_tokens])
             self._record(step.sampled_seq_ids, tokens, logprobs, result)
         else:
             hidden, logits = self._logits(step, size, bucket, meta)
@@ -490,21 +500,37 @@ def _decodes_first(chunk: StepChunk) -> tuple[bool, int]:
     return len(chunk.tokens) != 1, chunk.start
 
 
+def _last_sampled(state: SequenceState) -> int:
+    assert state.last_sampled is not None   # checked by validate_plan
+    return state.last_sampled
+
+
+def _not_a_decode(chunk: StepChunk) -> bool:
+    return len(chunk.tokens) != 1
+
+
 class _ModelTimer:
-    """Time of forward + logits: host time on the CPU, GPU time between two events on CUDA."""
+    """Time of forward + logits: host time on the CPU, GPU time between two events on CUDA.
+    One per runner, started at each step (the events are made once, and recorded on the
+    device's current stream found by index: torch's lookup without one costs ~30 µs a call)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.started = time.perf_counter()
         self.elapsed = 0.0
         if self.cuda:
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
             self.start_event = torch.cuda.Event(enable_timing=True)
             self.end_event = torch.cuda.Event(enable_timing=True)
-            self.start_event.record()
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        if self.cuda:
+            self.start_event.record(torch.cuda.current_stream(self.index))
 
     def stop(self) -> None:
         if self.cuda:
-            self.end_event.record()
+            self.end_event.record(torch.cuda.current_stream(self.index))
         else:
             self.elapsed = time.perf_counter() - self.started
 
@@ -520,6 +546,6 @@ class _ModelTimer:
         return self.elapsed
 
 
-def _unpack(packed: torch.Tensor) -> tuple[list[int], list[float]]:
+def _unpack(packed: torch.Tensor | np.ndarray) -> tuple[list[int], list[float]]:
     """``pack_results``' (2, S) float64, copied to the host -> token ids, logprobs."""
     return [int(t) for t in packed[0].tolist()], packed[1].tolist()
