@@ -421,6 +421,7 @@ def offline_cases(run: Run) -> list[tuple[str, list[str], str | None]]:
     """(name, flags, TRITON_CACHE_DIR) of each offline case, in order."""
     static = ["--policy", "static", "--max-num-seqs", "8"]
     wanted = run.args.offline_cases
+    cases: list[tuple[str, list[str], str | None, bool]]
     if not is_cuda(run.args):   # no Triton kernels on CPU: fresh and warm are the same case
         cases = [("default", [], None, "fresh" in wanted or "warm" in wanted), ("static-8", static, None, "static" in wanted)]
     else:

@@ -22,7 +22,7 @@ from jitney.worker.attention import AttentionMetadata, InvariantCpuAttention, To
 from jitney.worker.kv_cache import CacheGeometry, PagedKVCache
 from jitney.worker.layer_ops import TorchLayerOps, apply_rotary, rms_norm_torch
 from jitney.worker.model import rope_inv_freq
-from jitney.worker.sampler import logprobs_of, row_logsumexp, row_sums
+from jitney.worker.sampler import greedy_logprobs, log_softmax_rows, row_logsumexp, row_sums, softmax_stats
 
 DTYPES = [torch.bfloat16, torch.float32]
 ROW_COUNTS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 130, 513]
@@ -339,6 +339,45 @@ def test_logprob_reductions_are_row_invariant(vocab: int) -> None:
     assert_rows_invariant(row_sums, logits.exp())
     assert_rows_invariant(row_logsumexp, logits)
     tokens = logits.argmax(dim=-1)
-    lp = lambda rows: logprobs_of(rows, rows.argmax(dim=-1), rows.amax(dim=-1, keepdim=True))  # noqa: E731
+    lp = lambda rows: greedy_logprobs(rows)[1]  # noqa: E731
     assert_rows_invariant(lp, logits)
     torch.testing.assert_close(lp(logits), logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+    assert_rows_invariant(log_softmax_rows, logits)
+    torch.testing.assert_close(log_softmax_rows(logits), logits.log_softmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 64, 100, 320, 49152])
+def test_softmax_stats_match_numpy_and_torch_and_their_scalar_form(vocab: int) -> None:
+    """``row_softmax_stats``: numpy's first argmax, the exact maximum, and log(sum(exp(x - max)))
+    within float32 rounding of torch's; the AVX-512 form gives the scalar loops' bits."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(9, vocab, generator=gen) * 4).to(torch.bfloat16).float()   # bf16 values: ties occur
+    x[1] = x[1, 0]                  # a row of one value: the first index
+    if vocab > 5:
+        x[2, 5] = x[2].max() + 1    # one clear maximum
+        x[3, -1] = x[3].max() + 1   # the maximum in the tail
+    tokens, top, log_total = softmax_stats(x)
+    assert tokens.tolist() == x.numpy().argmax(axis=-1).tolist()
+    assert torch.equal(top.squeeze(-1), x.amax(dim=-1))
+    torch.testing.assert_close(log_total, torch.logsumexp(x, dim=-1) - x.amax(dim=-1), rtol=1e-5, atol=1e-5)
+    portable = torch.ops.jitney_cpu.row_softmax_stats(x, True)
+    for got, want in zip(torch.ops.jitney_cpu.row_softmax_stats(x), portable):
+        assert torch.equal(got, want)
+    assert torch.equal(greedy_logprobs(x)[1], (top.squeeze(-1) - top.squeeze(-1)) - log_total)
+
+
+def test_softmax_stats_of_rows_without_a_finite_maximum() -> None:
+    """NaN counts as the maximum (the first NaN, as numpy's argmax); a row whose maximum is
+    NaN or infinite gets NaN; a finite row beside them is untouched. Both forms agree."""
+    x = torch.zeros(5, 70)
+    x[0, 3] = x[0, 40] = float("nan")
+    x[1, 66] = float("inf")
+    x[2] = float("-inf")
+    x[3, 69] = float("nan")          # in the tail of the 64-wide body
+    x[4, 10] = 2.0
+    for portable in (False, True):
+        tokens, top, log_total = torch.ops.jitney_cpu.row_softmax_stats(x, portable)
+        assert tokens.tolist() == [3, 66, 0, 69, 10]
+        assert math.isnan(top[0]) and top[1] == math.inf and top[2] == -math.inf and top[4] == 2.0
+        assert all(math.isnan(v) for v in log_total[:4].tolist())
+        assert log_total[4].item() == pytest.approx(math.log(1 + 69 * math.exp(-2)), rel=1e-6)

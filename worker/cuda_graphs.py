@@ -33,7 +33,7 @@ import torch
 from jitney.worker.input_batch import InputBatch, StepChunk
 from jitney.worker.kv_cache import PagedKVCache
 from jitney.worker.model import CausalLM
-from jitney.worker.sampler import first_argmax, logprobs_of, pack_results
+from jitney.worker.sampler import greedy_logprobs, pack_results
 
 
 # Token buckets of the mixed-step graphs: powers of two to 512, then every 256 tokens (a step
@@ -50,8 +50,7 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
 
 def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     """(2, rows) float64: each row's greedy token id and its logprob, as ``sampler.sample`` computes them."""
-    tokens = first_argmax(logits)
-    return pack_results(tokens, logprobs_of(logits, tokens, logits.gather(-1, tokens[:, None])))
+    return pack_results(*greedy_logprobs(logits))
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
