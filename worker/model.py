@@ -263,7 +263,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
-        x = self.model.norm(hidden[sample_indices])
+        norm = self.model.norm   # through the layer ops: one fused kernel, as the layers' norms
+        x = self.ops.rms_norm(hidden[sample_indices], norm.weight, norm.eps)
         if self.lm_head is None:
             return F.linear(x, self.model.embed_tokens.weight).float()
         return self.lm_head(x).float()
