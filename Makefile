@@ -36,8 +36,9 @@ serve: $(STAMP)
 	$(VENV)/bin/jitney serve $(ARGS)
 
 # Two pytest-xdist workers, a test file each at a time (module fixtures stay
-# whole), one torch thread each: on 2 cores most tests wait on processes and
-# sockets, and OpenMP threads spinning against each other would be slower.
+# whole), the longest files first (tests/conftest.py), one torch thread each:
+# on 2 cores most tests wait on processes and sockets, and OpenMP threads
+# spinning against each other would be slower.
 # The CPU kernels build (~40 s from an empty cache, a no-op once cached)
 # while mypy checks the types on the other core; a failed build stops here
 # with the compiler's output.
@@ -45,7 +46,7 @@ test: $(STAMP)
 	$(PY) -c "from jitney.worker import cpu_kernels; cpu_kernels.load()" & build=$$!; \
 	$(MAKE) --no-print-directory typecheck; checked=$$?; \
 	wait $$build && test $$checked -eq 0
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
 
 typecheck: $(STAMP)
 	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/jitney

@@ -8,6 +8,30 @@ import pytest
 
 from bench.server_harness import Server, running_server
 
+# The test files that take longest (seconds, all their tests, a clean-clone run on 2 cores,
+# 2026-11-27), in that order. `make test` runs two pytest-xdist workers a file at a time in
+# collection order (--no-loadscope-reorder: xdist would otherwise order files by their number
+# of tests, which left the 78 s soak to start near the end while the other worker idled).
+# The longest files start first, and the two workers finish together.
+LONGEST_FILES = (
+    "test_soak.py",               # 78
+    "test_server_parity.py",      # 72
+    "test_bench_gpu.py",          # 67
+    "test_batch_invariance.py",   # 64
+    "test_triton_worker.py",      # 58
+    "test_tensor_parallel.py",    # 46
+    "test_worker_model.py",       # 38
+    "test_production.py",         # 32
+    "test_security.py",           # 25
+    "test_e2e_router.py",         # 25
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (``LONGEST_FILES``); the others after, in their own order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable
+
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
