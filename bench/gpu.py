@@ -495,6 +495,24 @@ def prefill_plans(batch: int, context: int, per_seq: int, budget_tokens: int) ->
         yield plan
 
 
+def prompt_plan(step_id: int, seq_id: int, ids: list[int], blocks: list[int]) -> engine_pb2.StepPlan:
+    """A new sequence's whole prompt as one chunk that samples."""
+    from jitney.engine.v1 import engine_pb2 as e
+
+    plan = e.StepPlan(step_id=step_id)
+    plan.new_sequences.add(seq_id=seq_id, sampling=e.SamplingConfig(seed=1))
+    plan.chunks.add(seq_id=seq_id, start_position=0, token_ids=ids, new_block_ids=blocks, sample=True)
+    return plan
+
+
+def decodes_ready(runner: ModelRunner, batch: int, run: Run, per_seq: int) -> None:
+    """Sequences 1..batch prefilled with --context tokens, then three warm-up decode steps."""
+    for plan in prefill_plans(batch, run.args.context, per_seq, step_tokens(run)):
+        runner.execute(plan)
+    for k in range(3):
+        runner.execute(decode_plan(batch, run.args.context + k))
+
+
 def decode_plan(batch: int, position: int) -> engine_pb2.StepPlan:
     from jitney.engine.v1 import engine_pb2 as e
 
@@ -547,10 +565,7 @@ def measure_prefill(runner: ModelRunner, run: Run, tokens: int) -> dict[str, Any
     times = []
     for rep in range(2 + run.args.reps):   # a cold one, a warm-up, then the reps
         seq = 50_000 + rep
-        plan = e.StepPlan(step_id=20_000 + rep)
-        plan.new_sequences.add(seq_id=seq, sampling=e.SamplingConfig(seed=1))
-        plan.chunks.add(seq_id=seq, start_position=0, token_ids=ids, new_block_ids=blocks, sample=True)
-        times.append(timed_execute(runner, plan, 1))
+        times.append(timed_execute(runner, prompt_plan(20_000 + rep, seq, ids, blocks), 1))
         runner.execute(e.StepPlan(step_id=30_000 + rep, freed_seq_ids=[seq]))
     kept = times[2:]
     return {"tokens": tokens, "reps": len(kept), "first_s": times[0], "execute_s_median": statistics.median(kept),
@@ -634,10 +649,7 @@ def profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
     per_seq, _ = runner_blocks(run, [])
     texts = []
     for batch in sorted({1, max(decode_batches(run.args))}):
-        for plan in prefill_plans(batch, run.args.context, per_seq, step_tokens(run)):
-            runner.execute(plan)
-        for k in range(3):
-            runner.execute(decode_plan(batch, run.args.context + k))
+        decodes_ready(runner, batch, run, per_seq)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for k in range(3, 8):
                 runner.execute(decode_plan(batch, run.args.context + k))
@@ -650,10 +662,7 @@ def profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
     ids, blocks = [100 + j % 40000 for j in range(tokens)], list(range(blocks_for(tokens, 16)))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for rep in range(2):
-            plan = e.StepPlan(step_id=40_000 + rep)
-            plan.new_sequences.add(seq_id=60_000 + rep, sampling=e.SamplingConfig(seed=1))
-            plan.chunks.add(seq_id=60_000 + rep, start_position=0, token_ids=ids, new_block_ids=blocks, sample=True)
-            runner.execute(plan)
+            runner.execute(prompt_plan(40_000 + rep, 60_000 + rep, ids, blocks))
             runner.execute(e.StepPlan(step_id=41_000 + rep, freed_seq_ids=[60_000 + rep]))
     texts.append(f"== prefill {tokens} tokens, 2 steps, by device total\n"
                  + prof.key_averages().table(sort_by="device_time_total", row_limit=30))
@@ -686,10 +695,7 @@ def host_profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
             texts.append("\n".join(lines))
 
     for batch in sorted({1, max(decode_batches(run.args))}):
-        for plan in prefill_plans(batch, run.args.context, per_seq, step_tokens(run)):
-            runner.execute(plan)
-        for k in range(3):
-            runner.execute(decode_plan(batch, run.args.context + k))
+        decodes_ready(runner, batch, run, per_seq)
         prof = cProfile.Profile()
         started = time.perf_counter()
         prof.enable()
@@ -703,9 +709,7 @@ def host_profile_steps(shape: str, runner: ModelRunner, run: Run) -> None:
     ids, blocks = [100 + j % 40000 for j in range(tokens)], list(range(blocks_for(tokens, 16)))
     prof = cProfile.Profile()
     for rep in range(3):
-        plan = e.StepPlan(step_id=42_000 + rep)
-        plan.new_sequences.add(seq_id=62_000 + rep, sampling=e.SamplingConfig(seed=1))
-        plan.chunks.add(seq_id=62_000 + rep, start_position=0, token_ids=ids, new_block_ids=blocks, sample=True)
+        plan = prompt_plan(42_000 + rep, 62_000 + rep, ids, blocks)
         if rep:
             prof.enable()
         runner.execute(plan)

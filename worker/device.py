@@ -36,6 +36,13 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return False
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA index of ``device`` (the current device for a bare "cuda"). A step's event
+    records pass it to ``torch.cuda.current_stream``: without an index, torch's device
+    lookup took ~40 µs a call (under cProfile, on an H200's host)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def resolve_dtype(config: WorkerConfig) -> torch.dtype:
     """The torch dtype the model and cache use (``auto`` resolved)."""
     if config.dtype != "auto":

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from jitney.worker.attention import AttentionMetadata
+from jitney.worker.device import cuda_index
 from jitney.worker.plan import NO_PROCESSORS, ProcessorParams
 from jitney.worker.sampler import (LogitsProcessors, Penalties, RowGroups, SamplingBatch, random_row_masks,
                                    split_seed)
@@ -221,9 +222,9 @@ class InputBatch:
         self._staging = self._host_staging.numpy()
         self.staging = self._host_staging if not pin else torch.zeros_like(self._host_staging, device=device)
         self._copied: torch.cuda.Event | None = None   # the last host-to-device copies, when pending
-        if pin:   # (made once; recorded on the current stream found by index, as torch's lookup is slow)
+        if pin:   # (made once; recorded on the current stream found by index: ``cuda_index``)
             self._copy_event = torch.cuda.Event()
-            self._cuda_index = device.index if device.index is not None else torch.cuda.current_device()
+            self._cuda_index = cuda_index(device)
 
     # -- persistent rows -----------------------------------------------------
 

@@ -31,6 +31,11 @@ class PlanLimits:
     max_num_batched_tokens: int
     max_num_seqs: int
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """The blocks a sequence's table can hold: enough for the context length."""
+        return -(-self.context_length // self.block_size)
+
 
 @dataclass(frozen=True)
 class ProcessorParams:
@@ -248,7 +253,7 @@ def _chunks_pass(plan: engine_pb2.StepPlan, rows: list[ChunkRow], table_lens: di
     chunks = plan.chunks
     new_ids = {s.seq_id for s in plan.new_sequences}
     total, seen = 0, set()
-    bs, context, max_blocks = limits.block_size, limits.context_length, -(-limits.context_length // limits.block_size)
+    bs, context, max_blocks = limits.block_size, limits.context_length, limits.max_blocks_per_seq
     for index, sid, start, num_ids, from_sample, num_blocks, sample, masked in rows:
         table_len = table_lens.get(sid)
         if table_len is None or sid in seen or (masked and not sample):
@@ -315,7 +320,7 @@ def _check_chunk(chunk: engine_pb2.ScheduledChunk, table_len: int, limits: PlanL
     capacity = (table_len + len(block_ids)) * limits.block_size
     if end > capacity:
         raise PlanError(f"seq {sid}: positions up to {end} exceed its block table capacity {capacity}")
-    max_blocks = -(-limits.context_length // limits.block_size)
+    max_blocks = limits.max_blocks_per_seq
     if table_len + len(block_ids) > max_blocks:
         raise PlanError(f"seq {sid}: a block table of {table_len + len(block_ids)} blocks exceeds the {max_blocks} "
                         f"that the context length {limits.context_length} needs")
