@@ -4,13 +4,12 @@
 
 For each linear shape of SmolLM2-135M (30 distinct random weights per layer
 shape, one for the head), every weight is called once per pass, so each pass
-streams all of them from memory as a step does. Three kernels take turns:
+streams all of them from memory as a step does. Four kernels take turns:
 
 - ``bf16``: ``InvariantLinear``, the CPU default (Jitney's AMX-BF16 tile
-  kernel where the CPU has it);
-- ``brgemm``: ``InvariantLinear(portable=True)``, oneDNN's brgemm
-  micro-kernel per block (what bf16 ran before the AMX kernel, and still
-  runs on CPUs without AMX-BF16);
+  kernel where the CPU has it, else its AVX-512 BF16 one: ``linear_kernel()``);
+- ``torch``: ``torch.nn.functional.linear`` in bf16, oneDNN's matmul (not
+  batch-invariant: the speed Jitney's kernels are held to);
 - ``int8``: ``Int8Linear`` (``--quantization int8``);
 - ``int4``: ``Int4Linear`` (``--quantization int4``'s layers: half a byte
   a weight plus a byte per 32 for the group scales).
@@ -34,10 +33,22 @@ import torch  # noqa: E402
 
 from jitney.worker import cpu_kernels  # noqa: E402
 
+
+class TorchLinear(torch.nn.Module):
+    """torch's own bf16 linear of one weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
 SHAPES = [("qkv_proj", 960, 576, 30), ("o_proj", 576, 576, 30), ("gate_up_proj", 3072, 576, 30),
           ("down_proj", 576, 1536, 30), ("lm_head", 49152, 576, 1)]
-MODES = ("bf16", "brgemm", "int8", "int4")
-BYTES_PER_WEIGHT = {"bf16": 2.0, "brgemm": 2.0, "int8": 1.0, "int4": 0.5 + 1 / 32}
+MODES = ("bf16", "torch", "int8", "int4")
+BYTES_PER_WEIGHT = {"bf16": 2.0, "torch": 2.0, "int8": 1.0, "int4": 0.5 + 1 / 32}
 
 
 def main() -> int:
@@ -46,10 +57,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    print(f"torch threads {torch.get_num_threads()}, AMX-BF16 {cpu_kernels.linear_uses_amx()}, "
-          f"AMX-INT8 {cpu_kernels.int8_uses_amx()}, int4 path {cpu_kernels.int4_path()}")
-    print("| rows | shape | out x in | weights | bf16 ms (GB/s) | brgemm ms (GB/s) | int8 ms (GB/s) "
-          "| int4 ms (GB/s) | brgemm / bf16 | bf16 / int8 | bf16 / int4 |")
+    print(f"torch threads {torch.get_num_threads()}, bf16 kernel {cpu_kernels.linear_kernel()}, "
+          f"int8 path {cpu_kernels.int8_path()}, int4 path {cpu_kernels.int4_path()}")
+    print("| rows | shape | out x in | weights | bf16 ms (GB/s) | torch ms (GB/s) | int8 ms (GB/s) "
+          "| int4 ms (GB/s) | torch / bf16 | bf16 / int8 | bf16 / int4 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
         total = dict.fromkeys(MODES, 0.0)
@@ -57,7 +68,7 @@ def main() -> int:
             weights = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(count)]
             layers: dict[str, list[torch.nn.Module]] = {
                 "bf16": [cpu_kernels.InvariantLinear(w, None) for w in weights],
-                "brgemm": [cpu_kernels.InvariantLinear(w, None, portable=True) for w in weights],
+                "torch": [TorchLinear(w) for w in weights],
                 "int8": [cpu_kernels.Int8Linear(w, None) for w in weights],
                 "int4": [cpu_kernels.Int4Linear(w, None) for w in weights]}
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -73,10 +84,10 @@ def main() -> int:
                 total[mode] += med[mode]
             cells = " | ".join(f"{med[m] * 1e3:.2f} ({BYTES_PER_WEIGHT[m] * n * k * count / med[m] / 1e9:.0f})"
                                for m in MODES)
-            print(f"| {rows} | {name} | {n} x {k} | {count} | {cells} | {med['brgemm'] / med['bf16']:.2f}x "
+            print(f"| {rows} | {name} | {n} x {k} | {count} | {cells} | {med['torch'] / med['bf16']:.2f}x "
                   f"| {med['bf16'] / med['int8']:.2f}x | {med['bf16'] / med['int4']:.2f}x |")
         cells = " | ".join(f"{total[m] * 1e3:.2f}" for m in MODES)
-        print(f"| {rows} | **all** | | | {cells} | {total['brgemm'] / total['bf16']:.2f}x "
+        print(f"| {rows} | **all** | | | {cells} | {total['torch'] / total['bf16']:.2f}x "
               f"| {total['bf16'] / total['int8']:.2f}x | {total['bf16'] / total['int4']:.2f}x |")
     return 0
 

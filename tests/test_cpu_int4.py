@@ -62,8 +62,10 @@ def test_fast_paths_are_used_where_the_cpu_has_them() -> None:
     flags = cpuinfo.read_text() if cpuinfo.exists() else ""
     if " amx_int8" in flags and " avx512vbmi" in flags and " avx512_vnni" in flags:
         assert cpu_kernels.int4_path() == "amx"
+        assert cpu_kernels.int8_path() == "amx"
     elif " avx512_vnni" in flags and " avx512bw" in flags:
         assert cpu_kernels.int4_path() in ("amx", "vnni")
+        assert cpu_kernels.int8_path() in ("amx", "vnni")
     else:
         pytest.skip("this CPU has neither AMX-INT8 nor AVX-512 VNNI")
 

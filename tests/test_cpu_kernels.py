@@ -48,12 +48,12 @@ def assert_rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 @pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 144), (144, 64), (576, 960), (1536, 576), (98, 100)])
+@pytest.mark.parametrize("shape", [(64, 144), (144, 64), (576, 960), (1536, 576), (98, 100), (77, 70)])
 def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtype, shape: tuple[int, int],
                                                                portable: bool) -> None:
-    """Both bf16 kernels (the AMX one where the CPU has it, and oneDNN's brgemm), at
-    in_features that are and are not multiples of 32, row counts on both sides of the
-    AMX kernel's 16-row switch of unit width (ROW_COUNTS) and ragged last row blocks."""
+    """Both bf16 kernels (the CPU's fastest, and the portable loops), at in_features
+    that are and are not multiples of 32 (and odd), row counts on both sides of the
+    kernels' switches of unit width (ROW_COUNTS: 8 and 16) and ragged last row blocks."""
     k, n = shape
     gen = torch.Generator().manual_seed(k * 1000 + n)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
@@ -67,21 +67,24 @@ def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtyp
     assert_rows_invariant(layer, x)
 
 
-def test_bf16_linears_run_on_amx_where_the_cpu_has_it() -> None:
-    """No silent fallback: a CPU with AMX-BF16 gets the AMX kernel, whose bits differ from brgemm's."""
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    if "amx_bf16" not in flags:
-        assert not cpu_kernels.linear_uses_amx()
-        pytest.skip("no AMX-BF16 on this CPU")
-    assert cpu_kernels.linear_uses_amx()
+def test_bf16_linears_run_on_the_fastest_kernel_the_cpu_has() -> None:
+    """No silent fallback: AMX-BF16 where the CPU has it, else AVX-512 BF16 where it has
+    that, else the portable loops. The fast kernel reads the same packed weights as the
+    portable loops, and its bits differ from theirs (its own order of additions)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    kernel = cpu_kernels.linear_kernel()
+    expected = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "portable"
+    assert kernel == expected, f"bf16 linears run on {kernel} on a CPU with {expected}"
+    if kernel == "portable":
+        pytest.skip("neither AMX-BF16 nor AVX-512 BF16 on this CPU")
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(256, 576, generator=gen).bfloat16()
     x = torch.randn(40, 576, generator=gen).bfloat16()
-    amx = cpu_kernels.InvariantLinear(weight, None, out_float=True)
-    brgemm = cpu_kernels.InvariantLinear(weight, None, out_float=True, portable=True)
-    assert amx.packed.shape == brgemm.packed.shape   # same size, another layout
-    assert not torch.equal(amx.packed, brgemm.packed)
-    torch.testing.assert_close(amx(x), brgemm(x), atol=1e-3, rtol=1e-3)
+    fast = cpu_kernels.InvariantLinear(weight, None, out_float=True)
+    plain = cpu_kernels.InvariantLinear(weight, None, out_float=True, portable=True)
+    assert torch.equal(fast.packed, plain.packed)   # one layout
+    torch.testing.assert_close(fast(x), plain(x), atol=1e-3, rtol=1e-3)
+    assert not torch.equal(fast(x), plain(x))
 
 
 def test_bf16_linear_outputs_round_like_torch() -> None:

@@ -4,13 +4,16 @@ The operations, registered as ``torch.ops.jitney_cpu``:
 
 - ``InvariantLinear``: ``y = x W^T + b`` with W packed once at load; every
   output is one fixed reduction over the whole of K, so its bits do not
-  depend on how many rows share the call. bf16 where the CPU has AMX-BF16:
-  Jitney's own tile kernel, which streams the weights with prefetches (a
-  decode step's linears ran 1.4-1.8x faster than through oneDNN's brgemm,
-  see docs/performance.md); elsewhere one oneDNN brgemm micro-kernel call
-  per block. (oneDNN's own matmul picks blockings, and splits K between
-  threads, by the number of rows: the same token gave different bf16 rows
-  at 1 and at 33 rows.)
+  depend on how many rows share the call. bf16 runs on the fastest of
+  Jitney's own kernels the CPU has (``linear_kernel()``): AMX-BF16 tiles, which
+  stream the weights with prefetches (a decode step's linears ran 1.4-1.8x
+  faster than through oneDNN's brgemm, see docs/performance.md), else AVX-512
+  BF16 (vdpbf16ps, one K pair at a time), else the portable loops. float32:
+  one oneDNN brgemm micro-kernel call per block. (oneDNN's own matmul picks
+  blockings, and splits K between threads, by the number of rows: the same
+  token gave different bf16 rows at 1 and at 33 rows; its bf16 brgemm
+  micro-kernel, on an AMD EPYC without AMX, ordered K one way for 1 row,
+  another for 2-3 and a third for 4 or more.)
 - ``paged_attention``: every query token walks its own sequence's cache
   blocks from position 0 with a float32 online softmax, reading K/V where
   they lie (no gather, no padding). Decodes and prefill chunks run the same
@@ -136,9 +139,8 @@ class InvariantLinear(nn.Module):
     """``y = x W^T + b`` through ``jitney_cpu.linear``; x is (T, in_features).
 
     ``out_float``: return float32 (the logits) instead of x's dtype.
-    ``portable``: oneDNN's brgemm micro-kernel even where bf16 would run on
-    Jitney's AMX kernel (for tests and benchmarks; both are batch-invariant,
-    their bits differ).
+    ``portable``: bf16 through the plain loops, whatever the CPU has (for
+    tests and benchmarks; every kernel is batch-invariant, their bits differ).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False,
@@ -157,10 +159,11 @@ class InvariantLinear(nn.Module):
         return y
 
 
-def linear_uses_amx() -> bool:
-    """Whether bf16 ``InvariantLinear``s run on Jitney's AMX-BF16 kernel here (else oneDNN's brgemm)."""
+def linear_kernel() -> str:
+    """The kernel bf16 ``InvariantLinear``s run on here: ``amx`` (AMX-BF16), ``avx512_bf16``
+    (AVX-512 BF16, no AMX) or ``portable`` (the plain loops: a CPU with neither)."""
     load()
-    return bool(torch.ops.jitney_cpu.linear_uses_amx())
+    return str(torch.ops.jitney_cpu.linear_kernel())
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,16 +282,17 @@ def use_int4_linears(model: nn.Module) -> int:
     return replace_linears(model, lambda linear: Int4Linear(linear.weight, linear.bias))
 
 
-def int8_uses_amx() -> bool:
-    """Whether ``Int8Linear`` runs on AMX-INT8 here (else the portable loops, far slower)."""
+def int8_path() -> str:
+    """Where ``Int8Linear`` runs here: ``amx`` (AMX-INT8), ``vnni`` (AVX-512 VNNI) or
+    ``portable`` (the plain loops, far slower). All three give the same bits."""
     load()
-    return bool(torch.ops.jitney_cpu.int8_uses_amx())
+    return str(torch.ops.jitney_cpu.int8_path())
 
 
 def int4_path() -> str:
     """Where ``Int4Linear`` runs here: ``amx`` (AMX-INT8, and AVX-512 VNNI for calls of
-    up to 4 rows), ``vnni`` (VNNI for few rows, the portable loops for more) or
-    ``portable`` (the plain loops only, far slower)."""
+    up to 4 rows), ``vnni`` (AVX-512 VNNI, 4 rows a pass) or ``portable`` (the plain
+    loops only, far slower)."""
     load()
     return str(torch.ops.jitney_cpu.int4_path())
 

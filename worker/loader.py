@@ -214,25 +214,24 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
     if quantization in ("int8", "int4"):
         if device.type != "cpu":
             raise ValueError(f"--quantization {quantization} runs on the CPU only")
-        amx = cpu_kernels.int8_uses_amx()
+        names = {"amx": "AMX-INT8", "vnni": "AVX-512 VNNI", "portable": "the portable loops"}
+        head_where = names[cpu_kernels.int8_path()]
         if quantization == "int8":
             count = cpu_kernels.use_int8_linears(net.model)
-            where = "AMX-INT8" if amx else "the portable loops"
+            where = head_where
         else:
             count = cpu_kernels.use_int4_linears(net.model)
-            where = {"amx": "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)",
-                     "vnni": "AVX-512 VNNI (up to 4 rows) and the portable loops (more)"}.get(
-                         cpu_kernels.int4_path(), "the portable loops")
+            where = {"amx": "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)"}.get(
+                cpu_kernels.int4_path(), names[cpu_kernels.int4_path()])
         # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
         # 19.0 (bench/quant_accuracy.py; README "int4 weights").
         net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)
-        head_where = "AMX-INT8" if amx else "the portable loops"
         if "portable" not in where + head_where:
             logger.info("%s weights: %d linear layers run on %s, the int8 head on %s", quantization, count, where,
                         head_where)
         else:
             logger.warning("%s weights: %d linear layers run on %s, the int8 head on %s: this CPU lacks AMX-INT8 "
-                           "(or AVX-512 VBMI), and the portable loops are much slower than --quantization none "
+                           "and AVX-512 VNNI, and the portable loops are much slower than --quantization none "
                            "(same results)", quantization, count, where, head_where)
     elif batch_invariant and device.type == "cuda":
         try:

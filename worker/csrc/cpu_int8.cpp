@@ -301,11 +301,97 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
 }
 #endif
 
-bool uses_amx() {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define JITNEY_INT8_VNNI 1
+// The same integer sums on AVX-512 VNNI, for CPUs without AMX-INT8 (AMD's
+// Zen 4 and later; Intel's Ice Lake). vpdpbusd multiplies unsigned bytes by
+// signed ones, so the weights enter as q + 128 (q ^ 0x80, unsigned) and
+//   sum_k a[k] q[k] = sum_k a[k] (q[k] + 128) - 128 sum_k a[k],
+// exact in int32, hence the AMX path's and the portable loops' bits (tested).
+// Row p of a weight tile is K quad p of 16 columns: one zmm register. A call
+// of R <= 4 rows (of one block of 8) keeps R x 2 limbs x 2 tiles of sums;
+// a unit is 32 columns, so a step of few rows reads the weights once and
+// small layers split evenly between the threads.
+constexpr int64_t kVnniRowStep = 4;
+
+template <int R, typename out_t>
+inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr, const float* sx, const char* w,
+                           const float* sw, const float* bias, out_t* y, int64_t n, int64_t cols) {
+  __m512i acc[R][2][2];
+  for (int r = 0; r < R; ++r)
+    for (int limb = 0; limb < 2; ++limb) acc[r][limb][0] = acc[r][limb][1] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t quads = kp / 4;
+  for (int64_t p = 0; p < quads; ++p) {
+    const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
+    _mm_prefetch(wp + 2 * jitney_cpu::kChunkBytes, _MM_HINT_T0);
+    _mm_prefetch(wp + 2 * jitney_cpu::kChunkBytes + kTileBytes, _MM_HINT_T0);
+    const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wp), flip);
+    const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wp + kTileBytes), flip);
+    for (int r = 0; r < R; ++r)
+      for (int limb = 0; limb < 2; ++limb) {
+        int32_t quad;
+        std::memcpy(&quad, limbs + (r + limb * kRowsPerBlock) * kp + 4 * p, 4);
+        const __m512i a = _mm512_set1_epi32(quad);
+        acc[r][limb][0] = _mm512_dpbusd_epi32(acc[r][limb][0], w0, a);
+        acc[r][limb][1] = _mm512_dpbusd_epi32(acc[r][limb][1], w1, a);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 2 && 16 * t < cols; ++t) {
+      const int64_t left = cols - 16 * t;
+      const __mmask16 lanes = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+      finish16(_mm512_sub_epi32(acc[r][0][t], _mm512_set1_epi32(corr[2 * r])),
+               _mm512_sub_epi32(acc[r][1][t], _mm512_set1_epi32(corr[2 * r + 1])), sx[r], sw + 16 * t,
+               bias ? bias + 16 * t : nullptr, y + r * n + 16 * t, lanes);
+    }
+}
+
+template <typename out_t>
+void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                      const float* sw, const float* bias, out_t* y, int64_t n) {
+  const int64_t chunks = kp / kChunk, units = padded(n, kCols) / kCols * 2;
+  // 128 * each row's limb sums over K: corr[2 r + limb].
+  std::vector<int32_t> corr(2 * m);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t limb = 0; limb < 2; ++limb) {
+      const int8_t* a = limbs + ((r / kRowsPerBlock) * 16 + r % kRowsPerBlock + limb * kRowsPerBlock) * kp;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kp; ++i) sum += a[i];
+      corr[2 * r + limb] = 128 * sum;
+    }
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t col0 = u * 32;
+      if (col0 >= n) continue;  // a padding unit
+      const int64_t cols = std::min<int64_t>(32, n - col0);
+      const char* w = jitney_cpu::unit_weights<2>(packed, u, chunks);
+      for (int64_t r0 = 0; r0 < m; r0 += kVnniRowStep) {  // never across a block of 8 rows
+        const int8_t* a = limbs + ((r0 / kRowsPerBlock) * 16 + r0 % kRowsPerBlock) * kp;
+        const int32_t* c = corr.data() + 2 * r0;
+        const float* b = bias ? bias + col0 : nullptr;
+        out_t* dst = y + r0 * n + col0;
+        switch (std::min(kVnniRowStep, m - r0)) {
+          case 1: vnni_int8_rows<1>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+          case 2: vnni_int8_rows<2>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+          case 3: vnni_int8_rows<3>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+          default: vnni_int8_rows<4>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Where int8 calls run: "amx" (AMX-INT8), "vnni" (AVX-512 VNNI) or "portable".
+std::string int8_path() {
 #ifdef JITNEY_AMX
-  return amx_ready();
+  if (amx_ready()) return "amx";
+#endif
+#ifdef JITNEY_INT8_VNNI
+  return "vnni";
 #else
-  return false;
+  return "portable";
 #endif
 }
 
@@ -550,7 +636,7 @@ void linear_amx_q4(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, 
 #endif
 
 // Where int4 calls run: "amx" (AMX-INT8 for many rows and AVX-512 VNNI for
-// few), "vnni" (VNNI for few rows, the portable loops for many) or "portable".
+// few), "vnni" (AVX-512 VNNI, 4 rows a pass) or "portable".
 std::string int4_path() {
 #ifdef JITNEY_AMX_Q4
   if (amx_ready()) return "amx";
@@ -589,6 +675,12 @@ void run(const at::Tensor& x, int64_t kp, const Weights& w, const float* sw, con
       return;
     }
 #endif
+#ifdef JITNEY_INT8_VNNI
+    if (!portable) {
+      linear_vnni_int8(limbs, sx.data(), m, kp, w.packed, sw, bias, out, n);
+      return;
+    }
+#endif
     linear_portable(limbs, sx.data(), m, kp, w.packed, sw, bias, out, n);
     return;
   }
@@ -601,6 +693,15 @@ void run(const at::Tensor& x, int64_t kp, const Weights& w, const float* sw, con
 #ifdef JITNEY_AMX_Q4
   if (!portable && amx_ready()) {
     linear_amx_q4(limbs, sx.data(), m, kp, w.q4, w.cv, sw, bias, out, n);
+    return;
+  }
+#endif
+#ifdef JITNEY_Q4_VECTOR
+  if (!portable) {  // no AMX: VNNI for every row count, 4 rows (of a block of 8) a call
+    for (int64_t r0 = 0; r0 < m; r0 += kVnniRows) {
+      const int8_t* a = limbs + ((r0 / kRowsPerBlock) * 16 + r0 % kRowsPerBlock) * kp;
+      linear_vnni_q4(a, sx.data() + r0, std::min(kVnniRows, m - r0), kp, w.q4, w.cv, sw, bias, out + r0 * n, n);
+    }
     return;
   }
 #endif
@@ -729,7 +830,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q4, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(jitney_cpu, m) {
   m.def("pack_int8_weight(Tensor q) -> Tensor", &pack_int8_weight);
-  m.def("int8_uses_amx() -> bool", &uses_amx);
+  m.def("int8_path() -> str", &int8_path);
   m.def("linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int in_features, int out_features, "
         "bool out_float, bool portable=False) -> Tensor", &linear_int8);
   m.def("pack_int4_weight(Tensor q, Tensor c) -> (Tensor, Tensor)", &pack_int4_weight);

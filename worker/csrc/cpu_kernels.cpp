@@ -10,13 +10,22 @@
 // how the rows are split among threads, or on padding.
 //
 //   linear            y = x W^T (+ b): threads split output columns only,
-//                     never K. bf16 on a CPU with AMX-BF16: Jitney's own tile
-//                     kernel, every output the sum of its K chunks of 32 in
-//                     order (see linear_amx_units). Elsewhere (and portable):
-//                     the output is cut into column blocks of NB and row
-//                     blocks of at most MB, every pair one oneDNN brgemm
-//                     micro-kernel call over the whole of K, whose order over
-//                     K does not depend on the row block's height (tested).
+//                     never K. bf16 weights are packed once in amx.h's tile
+//                     layout, read by one of three kernels, picked per
+//                     process by the CPU: AMX-BF16 (tdpbf16ps; every output
+//                     the sum of its K chunks of 32 in order, see
+//                     linear_amx_units), else AVX-512 BF16 (vdpbf16ps; every
+//                     output the sum of its K pairs in order, see
+//                     linear_dp_units), else the portable loops (every
+//                     output its products added in K order). Each kernel's
+//                     bits depend on a row's own inputs only; the kernels'
+//                     bits differ from one another. float32: oneDNN's brgemm
+//                     micro-kernel over the whole of K per block of rows and
+//                     columns, whose order over K does not depend on the
+//                     row block's height (tested). (bf16 through brgemm was
+//                     not batch-invariant on an AMD EPYC with AVX-512 BF16:
+//                     oneDNN ordered K one way for 1 row, another for 2-3,
+//                     a third for 4 and more.)
 //   paged_attention   every query token walks its own sequence's cache blocks
 //                     from position 0 up to its own position, with an online
 //                     softmax in float32: per block, scores in order, one
@@ -55,6 +64,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -70,61 +80,40 @@ using jitney_cpu::kPack;
 constexpr int64_t kRowBlock = 32;  // MB: rows per micro-kernel call
 constexpr int64_t kColBlock = 64;  // NB: output columns per micro-kernel call
 
-bool use_vnni(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 && at::native::cpublas::could_pack(at::kBFloat16);
-}
-
 // ---------------------------------------------------------------------------
 // linear
 // ---------------------------------------------------------------------------
 
-// weight (N, K) -> (ceil(N / NB), K * NB): each column block is W^T's (K, NB)
-// slice, zero-padded past N, in the micro-kernel's VNNI layout for bf16 where
-// the CPU has it.
+// float32 weight (N, K) -> (ceil(N / NB), K * NB): each column block is W^T's
+// (K, NB) slice, zero-padded past N.
 at::Tensor pack_brgemm_weight(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1);
-  const bool vnni = use_vnni(weight.scalar_type());
-  TORCH_CHECK(!vnni || k % 2 == 0, "bfloat16 weights need an even in_features, got ", k);
   const int64_t blocks = (n + kColBlock - 1) / kColBlock;
   at::Tensor wt = at::zeros({k, blocks * kColBlock}, weight.options());
   wt.narrow(1, 0, n).copy_(weight.t());
-  at::Tensor out = at::empty({blocks, k * kColBlock}, weight.options());
-  for (int64_t b = 0; b < blocks; ++b) {
-    at::Tensor src = wt.narrow(1, b * kColBlock, kColBlock).contiguous();  // (K, NB)
-    if (vnni) {
-      at::native::cpublas::pack(k, kColBlock, kColBlock, kColBlock, at::kBFloat16, at::kBFloat16,
-                                src.data_ptr(), out[b].data_ptr());
-    } else {
-      out[b].copy_(src.view({-1}));
-    }
-  }
-  return out;
+  return wt.view({k, blocks, kColBlock}).permute({1, 0, 2}).contiguous().view({blocks, k * kColBlock});
 }
 
-template <typename scalar_t, typename out_t>
-void linear_impl(const scalar_t* x, const scalar_t* packed, const float* bias, out_t* y,
-                 int64_t m, int64_t n, int64_t k, bool vnni) {
+void linear_brgemm(const float* x, const float* packed, const float* bias, float* y, int64_t m, int64_t n,
+                   int64_t k) {
   const int64_t blocks = (n + kColBlock - 1) / kColBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(kRowBlock * kColBlock);
     for (int64_t b = b0; b < b1; ++b) {
-      const scalar_t* w = packed + b * k * kColBlock;
+      const float* w = packed + b * k * kColBlock;
       const int64_t col0 = b * kColBlock;
       const int64_t cols = std::min(kColBlock, n - col0);
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, m - r0);
-        at::native::cpublas::brgemm(rows, kColBlock, k, k, kColBlock, kColBlock, false,
-                                    x + r0 * k, w, acc.data(), vnni);
+        at::native::cpublas::brgemm(rows, kColBlock, k, k, kColBlock, kColBlock, false, x + r0 * k, w,
+                                    acc.data(), false);
         for (int64_t i = 0; i < rows; ++i) {
           const float* a = acc.data() + i * kColBlock;
-          out_t* dst = y + (r0 + i) * n + col0;
-          for (int64_t j = 0; j < cols; ++j) {
-            dst[j] = from_float<out_t>(bias ? a[j] + bias[col0 + j] : a[j]);
-          }
+          float* dst = y + (r0 + i) * n + col0;
+          for (int64_t j = 0; j < cols; ++j) dst[j] = bias ? a[j] + bias[col0 + j] : a[j];
         }
       }
     }
-    if (vnni) at::native::cpublas::brgemm_release(vnni);
   });
 }
 
@@ -152,7 +141,7 @@ bool use_amx_bf16() {
 #endif
 }
 
-#if defined(JITNEY_AMX_BF16)
+#if defined(__AVX512F__)
 // dst[j] = from_float(sum[j] (+ bias[j])) for j < cols (at most 64): the same
 // IEEE addition and convert.h's rounding bits, 16 lanes at a time.
 template <typename out_t>
@@ -165,6 +154,9 @@ inline void store_row(const float* sum, const float* bias, out_t* dst, int64_t c
   }
 }
 
+#endif
+
+#if defined(JITNEY_AMX_BF16)
 // Tiles 0-3: the sums (16 x 16 float32) of up to four 16-column tiles;
 // 4: 16 activation rows (16 x 32 bf16); 5-6: weights, alternating. A work
 // unit is TILES tiles of one column block: 4 (64 columns) for many rows, 2
@@ -245,61 +237,202 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 }
 #endif
 
-// The layout the weight is packed in, the same for pack_linear_weight and linear.
-bool amx_layout(at::ScalarType dtype, bool portable) {
-  return !portable && dtype == at::kBFloat16 && use_amx_bf16();
+#if defined(__AVX512BF16__)
+#define JITNEY_AVX512_BF16 1
+// The bf16 AVX-512 BF16 linear (vdpbf16ps), for CPUs without AMX (AMD's Zen 4
+// and later, Intel's Cooper Lake). It reads the AMX kernel's tile layout: row
+// p of a tile is 16 columns' K pair p of the chunk, one zmm register. Each
+// output is one float32 lane, from zero, with one vdpbf16ps per K pair in
+// order (an odd K's last pair has a zero second value), whatever the number
+// of rows, the block of rows it sits in, the width of a unit or the threads.
+// A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
+// 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
+template <int R, int TILES, typename out_t>
+inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
+                    int64_t cols) {
+  __m512 acc[R][TILES];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t full = k / 2;  // whole K pairs; an odd K's last value is a pair with 0
+  const auto step = [&](int64_t p, const uint32_t* pairs) __attribute__((always_inline)) {
+    const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
+    _mm_prefetch(wp + 2 * jitney_cpu::kChunkBytes, _MM_HINT_T0);
+    if constexpr (TILES == 4) _mm_prefetch(wp + 2 * jitney_cpu::kChunkBytes + 2 * jitney_cpu::kTileBytes, _MM_HINT_T0);
+    __m512bh wt[TILES];
+    for (int t = 0; t < TILES; ++t) wt[t] = (__m512bh)_mm512_loadu_si512(wp + t * jitney_cpu::kTileBytes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r]));
+      for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, wt[t]);
+    }
+  };
+  uint32_t pairs[R];
+  for (int64_t p = 0; p < full; ++p) {
+    for (int r = 0; r < R; ++r) std::memcpy(&pairs[r], x + r * k + 2 * p, 4);
+    step(p, pairs);
+  }
+  if (k % 2) {
+    for (int r = 0; r < R; ++r) pairs[r] = x[r * k + k - 1].x;  // little-endian: (value, 0)
+    step(full, pairs);
+  }
+  alignas(64) float row[TILES * 16];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TILES; ++t) _mm512_store_ps(row + 16 * t, acc[r][t]);
+    store_row(row, bias, y + r * n, cols);
+  }
 }
 
-// weight (N, K) -> the packed form linear() reads: AMX tiles for bf16 where
-// the CPU has AMX-BF16 (unless portable), else the brgemm micro-kernel's.
-at::Tensor pack_linear_weight(const at::Tensor& weight, bool portable) {
+template <int TILES, typename out_t>
+void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
+                     out_t* y, int64_t n) {
+  constexpr int64_t kUnitCols = TILES * 16;
+  constexpr int64_t kRows = TILES == 2 ? 8 : 6;
+  const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
+  const int64_t units = padded(n, kColBlock) / kColBlock * (kColBlock / kUnitCols);
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t col0 = u * kUnitCols;
+      if (col0 >= n) continue;  // a padding unit
+      const int64_t cols = std::min(kUnitCols, n - col0);
+      const char* w = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
+      const float* b = bias ? bias + col0 : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const at::BFloat16* xr = x + r0 * k;
+        out_t* yr = y + r0 * n + col0;
+        switch (std::min(kRows, m - r0)) {
+          case 1: dp_rows<1, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 2: dp_rows<2, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 3: dp_rows<3, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 4: dp_rows<4, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 5: dp_rows<5, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 6: dp_rows<6, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 7: if constexpr (kRows >= 7) dp_rows<7, TILES>(xr, k, w, b, yr, n, cols); break;
+          default: if constexpr (kRows >= 8) dp_rows<8, TILES>(xr, k, w, b, yr, n, cols); break;
+        }
+      }
+    }
+  });
+}
+
+// Units of 32 columns for up to 8 rows (one pass over the weights; twice the
+// units to split small layers between threads), of 64 for more.
+template <typename out_t>
+void linear_dp(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias, out_t* y,
+               int64_t n) {
+  if (m <= 8) {
+    linear_dp_units<2>(x, m, k, packed, bias, y, n);
+  } else {
+    linear_dp_units<4>(x, m, k, packed, bias, y, n);
+  }
+}
+#endif
+
+// The bf16 linear in plain loops over the tile layout, for any CPU: each
+// output's products (float32, exact) added in K order from zero; columns in
+// lanes, so the compiler vectorises across them, never along K.
+template <typename out_t>
+void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed,
+                           const float* bias, out_t* y, int64_t n) {
+  const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk, blocks = padded(n, kColBlock) / kColBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    float acc[kColBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t col0 = b * kColBlock, cols = std::min(kColBlock, n - col0);
+      const uint16_t* wb = reinterpret_cast<const uint16_t*>(packed) + b * chunks * (jitney_cpu::kChunkBytes / 2);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < kColBlock; ++j) acc[j] = 0.0f;
+        for (int64_t i = 0; i < k; ++i) {
+          const float xi = to_float(x[r * k + i]);
+          const int64_t p = i / 2;
+          // tile t's row p: 16 columns x (pair), element 2j + (i % 2) of a 32-value row
+          const uint16_t* wp = wb + (p >> 4) * (jitney_cpu::kChunkBytes / 2) + (p & 15) * 32 + (i & 1);
+          for (int64_t j = 0; j < kColBlock; ++j) {
+            const uint16_t bits = wp[(j >> 4) * (jitney_cpu::kTileBytes / 2) + 2 * (j & 15)];
+            acc[j] += xi * to_float(at::BFloat16(bits, at::BFloat16::from_bits()));
+          }
+        }
+        out_t* dst = y + r * n + col0;
+        for (int64_t j = 0; j < cols; ++j) dst[j] = from_float<out_t>(bias ? acc[j] + bias[col0 + j] : acc[j]);
+      }
+    }
+  });
+}
+
+// The kernel bf16 linears run on here: "amx", "avx512_bf16" or "portable"
+// (unless portable is asked for, the fastest the CPU has).
+enum class Bf16Kernel { kAmx, kDp, kPortable };
+
+Bf16Kernel bf16_kernel(bool portable) {
+  if (portable) return Bf16Kernel::kPortable;
+  if (use_amx_bf16()) return Bf16Kernel::kAmx;
+#if defined(JITNEY_AVX512_BF16)
+  return Bf16Kernel::kDp;
+#else
+  return Bf16Kernel::kPortable;
+#endif
+}
+
+std::string linear_kernel() {
+  switch (bf16_kernel(false)) {
+    case Bf16Kernel::kAmx: return "amx";
+    case Bf16Kernel::kDp: return "avx512_bf16";
+    default: return "portable";
+  }
+}
+
+// weight (N, K) -> the packed form linear() reads: bf16 in amx.h's tile
+// layout (every bf16 kernel reads it), float32 in brgemm's column blocks.
+// ``portable`` is taken for symmetry with linear() and changes nothing.
+at::Tensor pack_linear_weight(const at::Tensor& weight, bool /*portable*/) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D (out_features, in_features)");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "weight must be bfloat16 or float32");
   const at::Tensor w = weight.contiguous();
-  return amx_layout(w.scalar_type(), portable) ? jitney_cpu::pack_weight_tiles(w) : pack_brgemm_weight(w);
+  return w.scalar_type() == at::kBFloat16 ? jitney_cpu::pack_weight_tiles(w) : pack_brgemm_weight(w);
+}
+
+template <typename out_t>
+void linear_bf16(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias, out_t* y,
+                 int64_t n, bool portable) {
+  switch (bf16_kernel(portable)) {
+#if defined(JITNEY_AMX_BF16)
+    case Bf16Kernel::kAmx: linear_amx(x, m, k, packed, bias, y, n); return;
+#endif
+#if defined(JITNEY_AVX512_BF16)
+    case Bf16Kernel::kDp: linear_dp(x, m, k, packed, bias, y, n); return;
+#endif
+    default: linear_tiles_portable(x, m, k, packed, bias, y, n); return;
+  }
 }
 
 // x (M, K) -> (M, out_features); float32 output when out_float, else x's dtype.
-// ``portable``: the brgemm path (the weight packed with portable too).
+// ``portable``: bf16 through the plain loops, whatever the CPU has.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t in_features, int64_t out_features, bool out_float, bool portable) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D (rows, in_features)");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the packed weight differ in dtype");
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
   TORCH_CHECK(k == in_features, "x has ", k, " features, the layer takes in_features ", in_features);
-  const bool amx = amx_layout(x.scalar_type(), portable);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t blocks = (n + kColBlock - 1) / kColBlock;
-  const int64_t kp = amx ? padded(k, kAmxChunk) : k;
+  const int64_t kp = bf16 ? padded(k, kAmxChunk) : k;
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == blocks && packed.size(1) == kp * kColBlock,
               "packed weight does not match in_features ", k, " and out_features ", n);
   at::Tensor xc = x.contiguous();
   const at::Tensor b = jitney_cpu::float_bias(bias, n);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const bool vnni = use_vnni(x.scalar_type());
   at::Tensor y = at::empty({m, n}, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
   if (m == 0) return y;
-  if (x.scalar_type() == at::kBFloat16) {
+  if (bf16) {
     const auto* xp = xc.data_ptr<at::BFloat16>();
     const auto* wp = packed.data_ptr<at::BFloat16>();
-#if defined(JITNEY_AMX_BF16)
-    if (amx) {
-      if (out_float) {
-        linear_amx(xp, m, k, wp, bp, y.data_ptr<float>(), n);
-      } else {
-        linear_amx(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), n);
-      }
-      return y;
-    }
-#endif
     if (out_float) {
-      linear_impl(xp, wp, bp, y.data_ptr<float>(), m, n, k, vnni);
+      linear_bf16(xp, m, k, wp, bp, y.data_ptr<float>(), n, portable);
     } else {
-      linear_impl(xp, wp, bp, y.data_ptr<at::BFloat16>(), m, n, k, vnni);
+      linear_bf16(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), n, portable);
     }
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
-    linear_impl(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k, false);
+    linear_brgemm(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k);
   }
   return y;
 }
@@ -965,8 +1098,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats(const at::Tenso
   return {arg, mx, lt};
 }
 
-bool vnni_packing() { return use_vnni(at::kBFloat16); }
-
 }  // namespace
 
 TORCH_LIBRARY(jitney_cpu, m) {
@@ -974,10 +1105,9 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features, bool out_float, "
         "bool portable=False) -> Tensor",
         &linear);
-  m.def("linear_uses_amx() -> bool", &use_amx_bf16);
+  m.def("linear_kernel() -> str", &linear_kernel);
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, bool portable=False) -> Tensor", &paged_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("row_softmax_stats(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)", &row_softmax_stats);
-  m.def("vnni_packing() -> bool", &vnni_packing);
 }
