@@ -340,14 +340,19 @@ void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at
       const uint16_t* wb = reinterpret_cast<const uint16_t*>(packed) + b * chunks * (jitney_cpu::kChunkBytes / 2);
       for (int64_t r = 0; r < m; ++r) {
         for (int64_t j = 0; j < kColBlock; ++j) acc[j] = 0.0f;
-        for (int64_t i = 0; i < k; ++i) {
-          const float xi = to_float(x[r * k + i]);
-          const int64_t p = i / 2;
-          // tile t's row p: 16 columns x (pair), element 2j + (i % 2) of a 32-value row
-          const uint16_t* wp = wb + (p >> 4) * (jitney_cpu::kChunkBytes / 2) + (p & 15) * 32 + (i & 1);
-          for (int64_t j = 0; j < kColBlock; ++j) {
-            const uint16_t bits = wp[(j >> 4) * (jitney_cpu::kTileBytes / 2) + 2 * (j & 15)];
-            acc[j] += xi * to_float(at::BFloat16(bits, at::BFloat16::from_bits()));
+        for (int64_t p = 0; p < (k + 1) / 2; ++p) {  // K pair p: values 2p and (if < k) 2p + 1, in order
+          const float x0 = to_float(x[r * k + 2 * p]);
+          const bool second = 2 * p + 1 < k;
+          const float x1 = second ? to_float(x[r * k + 2 * p + 1]) : 0.0f;
+          // tile t's row p: 16 columns' pairs, 32 values
+          const uint16_t* wp = wb + (p >> 4) * (jitney_cpu::kChunkBytes / 2) + (p & 15) * 32;
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint16_t* row = wp + t * (jitney_cpu::kTileBytes / 2);
+            float* a = acc + 16 * t;
+            for (int64_t j = 0; j < 16; ++j) a[j] += x0 * to_float(at::BFloat16(row[2 * j], at::BFloat16::from_bits()));
+            if (second)
+              for (int64_t j = 0; j < 16; ++j)
+                a[j] += x1 * to_float(at::BFloat16(row[2 * j + 1], at::BFloat16::from_bits()));
           }
         }
         out_t* dst = y + r * n + col0;
