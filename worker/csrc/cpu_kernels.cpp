@@ -733,6 +733,12 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
   }
 }
 
+// How far ahead a sequence's blocks are prefetched: the next one into L1, the
+// two after it into L2. (On an AMD EPYC, 30 layers' scattered caches, a 64 x
+// 400 decode layer took 1.38 ms with the next block only, 0.87 with these;
+// the next two into L1 instead: no gain; four or six ahead: no better.)
+constexpr int64_t kBlocksAhead = 3;
+
 // Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
 // Token t sits at position pos0 + (t - t0) and attends keys [0, position];
 // its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
@@ -776,16 +782,23 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
     for (int64_t h = h0; h < h1; ++h) {
 #if defined(__x86_64__)
-      // The next block lies elsewhere in the cache: ask for this head's part of it now. A
-      // head at a time spreads the requests over the block's work (all of an item's heads
-      // in one burst: 4-14% slower at 64 decodes).
-      if ((blk + 1) * bs <= last_pos) {
-        const int64_t next = (table[blk + 1] * s.num_kv_heads + h) * run;
+      // The next blocks lie elsewhere in the cache: ask for this head's part of them now
+      // (kBlocksAhead; block blk + 3 enters the window here, the first block asks for all
+      // three). A head at a time spreads the requests over the block's work (all of an
+      // item's heads in one burst: 4-14% slower at 64 decodes).
+      for (int64_t ahead = blk == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
+        if ((blk + ahead) * bs > last_pos) break;
+        const int64_t next = (table[blk + ahead] * s.num_kv_heads + h) * run;
         const char* kp = reinterpret_cast<const char*>(k_cache + next);
         const char* vp = reinterpret_cast<const char*>(v_cache + next);
         for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
-          _mm_prefetch(kp + off, _MM_HINT_T0);
-          _mm_prefetch(vp + off, _MM_HINT_T0);
+          if (ahead == 1) {
+            _mm_prefetch(kp + off, _MM_HINT_T0);
+            _mm_prefetch(vp + off, _MM_HINT_T0);
+          } else {
+            _mm_prefetch(kp + off, _MM_HINT_T1);
+            _mm_prefetch(vp + off, _MM_HINT_T1);
+          }
         }
       }
 #endif
