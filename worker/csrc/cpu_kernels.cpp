@@ -247,6 +247,8 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
 // 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
+constexpr int64_t kDpAhead = 8;  // chunks
+
 template <int R, int TILES, typename out_t>
 inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
                     int64_t cols) {
@@ -256,8 +258,9 @@ inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float
   const int64_t full = k / 2;  // whole K pairs; an odd K's last value is a pair with 0
   const auto step = [&](int64_t p, const uint32_t* pairs) __attribute__((always_inline)) {
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
-    _mm_prefetch(wp + 2 * jitney_cpu::kChunkBytes, _MM_HINT_T0);
-    if constexpr (TILES == 4) _mm_prefetch(wp + 2 * jitney_cpu::kChunkBytes + 2 * jitney_cpu::kTileBytes, _MM_HINT_T0);
+    // The weights 8 chunks (32 KB of a block) ahead into L2: 2 chunks into L1 read
+    // at ~20 GB/s on an AMD EPYC, this at ~30 (bench/int8_linears.py, docs/performance.md).
+    for (int t = 0; t < TILES; ++t) _mm_prefetch(wp + kDpAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
     __m512bh wt[TILES];
     for (int t = 0; t < TILES; ++t) wt[t] = (__m512bh)_mm512_loadu_si512(wp + t * jitney_cpu::kTileBytes);
     for (int r = 0; r < R; ++r) {
