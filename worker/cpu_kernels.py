@@ -149,7 +149,7 @@ class InvariantLinear(nn.Module):
         load()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.portable = portable
-        self.packed = torch.ops.jitney_cpu.pack_linear_weight(weight.detach().contiguous(), portable)
+        self.packed = torch.ops.jitney_cpu.pack_linear_weight(weight.detach().contiguous())
         self.bias = bias
         self.out_float = out_float
 

@@ -221,8 +221,8 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
             where = head_where
         else:
             count = cpu_kernels.use_int4_linears(net.model)
-            where = {"amx": "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)"}.get(
-                cpu_kernels.int4_path(), names[cpu_kernels.int4_path()])
+            path = cpu_kernels.int4_path()
+            where = "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)" if path == "amx" else names[path]
         # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
         # 19.0 (bench/quant_accuracy.py; README "int4 weights").
         net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)

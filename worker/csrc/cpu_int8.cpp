@@ -99,6 +99,12 @@ inline void limbs16(__m512 v, __m512 inv_s, int8_t* hi, int8_t* lo) {
 }
 #endif
 
+// Row r's high limbs in the layout below (its low limbs lie kRowsPerBlock rows after them).
+template <typename T>
+inline T* limb_row(T* limbs, int64_t r, int64_t kp) {
+  return limbs + ((r / kRowsPerBlock) * 16 + r % kRowsPerBlock) * kp;
+}
+
 // The activations as limbs: for each block of 8 rows, 16 rows of kp int8
 // (the 8 high limbs, then the 8 low limbs; missing rows and K past k are 0),
 // and each row's scale.
@@ -134,7 +140,7 @@ void make_limbs(const scalar_t* x, int64_t m, int64_t k, int64_t kp, int8_t* lim
       const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
       const float inv_s = 1.0f / s;
       sx[r] = s;
-      int8_t* hi = limbs + ((r / kRowsPerBlock) * 16 + r % kRowsPerBlock) * kp;
+      int8_t* hi = limb_row(limbs, r, kp);
       int8_t* lo = hi + kRowsPerBlock * kp;
       i = 0;
 #if defined(__AVX512F__)
@@ -324,10 +330,10 @@ inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr,
   const int64_t quads = kp / 4;
   for (int64_t p = 0; p < quads; ++p) {
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
-    // 8 chunks ahead into L2, as cpu_kernels.cpp's vdpbf16ps kernel (2 into L1: 7.4
-    // against 5.4 ms for a batch-1 step's linears on an AMD EPYC).
-    _mm_prefetch(wp + 8 * jitney_cpu::kChunkBytes, _MM_HINT_T1);
-    _mm_prefetch(wp + 8 * jitney_cpu::kChunkBytes + kTileBytes, _MM_HINT_T1);
+    // amx.h's kStreamAhead chunks ahead into L2 (2 into L1: 7.4 against 5.4 ms for a
+    // batch-1 step's linears on an AMD EPYC).
+    _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes, _MM_HINT_T1);
+    _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + kTileBytes, _MM_HINT_T1);
     const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wp), flip);
     const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wp + kTileBytes), flip);
     for (int r = 0; r < R; ++r)
@@ -357,7 +363,7 @@ void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t k
   std::vector<int32_t> corr(2 * m);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t limb = 0; limb < 2; ++limb) {
-      const int8_t* a = limbs + ((r / kRowsPerBlock) * 16 + r % kRowsPerBlock + limb * kRowsPerBlock) * kp;
+      const int8_t* a = limb_row(limbs, r, kp) + limb * kRowsPerBlock * kp;
       int32_t sum = 0;
       for (int64_t i = 0; i < kp; ++i) sum += a[i];
       corr[2 * r + limb] = 128 * sum;
@@ -369,7 +375,7 @@ void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t k
       const int64_t cols = std::min<int64_t>(32, n - col0);
       const char* w = jitney_cpu::unit_weights<2>(packed, u, chunks);
       for (int64_t r0 = 0; r0 < m; r0 += kVnniRowStep) {  // never across a block of 8 rows
-        const int8_t* a = limbs + ((r0 / kRowsPerBlock) * 16 + r0 % kRowsPerBlock) * kp;
+        const int8_t* a = limb_row(limbs, r0, kp);
         const int32_t* c = corr.data() + 2 * r0;
         const float* b = bias ? bias + col0 : nullptr;
         out_t* dst = y + r0 * n + col0;
@@ -701,7 +707,7 @@ void run(const at::Tensor& x, int64_t kp, const Weights& w, const float* sw, con
 #ifdef JITNEY_Q4_VECTOR
   if (!portable) {  // no AMX: VNNI for every row count, 4 rows (of a block of 8) a call
     for (int64_t r0 = 0; r0 < m; r0 += kVnniRows) {
-      const int8_t* a = limbs + ((r0 / kRowsPerBlock) * 16 + r0 % kRowsPerBlock) * kp;
+      const int8_t* a = limb_row(limbs, r0, kp);
       linear_vnni_q4(a, sx.data() + r0, std::min(kVnniRows, m - r0), kp, w.q4, w.cv, sw, bias, out + r0 * n, n);
     }
     return;

@@ -247,8 +247,6 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
 // 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
-constexpr int64_t kDpAhead = 8;  // chunks
-
 template <int R, int TILES, typename out_t>
 inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
                     int64_t cols) {
@@ -258,9 +256,9 @@ inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float
   const int64_t full = k / 2;  // whole K pairs; an odd K's last value is a pair with 0
   const auto step = [&](int64_t p, const uint32_t* pairs) __attribute__((always_inline)) {
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
-    // The weights 8 chunks (32 KB of a block) ahead into L2: 2 chunks into L1 read
-    // at ~20 GB/s on an AMD EPYC, this at ~30 (bench/int8_linears.py, docs/performance.md).
-    for (int t = 0; t < TILES; ++t) _mm_prefetch(wp + kDpAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
+    // amx.h's kStreamAhead chunks ahead into L2 (bench/int8_linears.py, docs/performance.md).
+    for (int t = 0; t < TILES; ++t)
+      _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
     __m512bh wt[TILES];
     for (int t = 0; t < TILES; ++t) wt[t] = (__m512bh)_mm512_loadu_si512(wp + t * jitney_cpu::kTileBytes);
     for (int r = 0; r < R; ++r) {
@@ -389,8 +387,7 @@ std::string linear_kernel() {
 
 // weight (N, K) -> the packed form linear() reads: bf16 in amx.h's tile
 // layout (every bf16 kernel reads it), float32 in brgemm's column blocks.
-// ``portable`` is taken for symmetry with linear() and changes nothing.
-at::Tensor pack_linear_weight(const at::Tensor& weight, bool /*portable*/) {
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D (out_features, in_features)");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "weight must be bfloat16 or float32");
@@ -1122,7 +1119,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats(const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(jitney_cpu, m) {
-  m.def("pack_linear_weight(Tensor weight, bool portable=False) -> Tensor", &pack_linear_weight);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features, bool out_float, "
         "bool portable=False) -> Tensor",
         &linear);
