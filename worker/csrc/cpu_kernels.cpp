@@ -60,6 +60,7 @@
 #include "kv_layout.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -755,10 +756,18 @@ constexpr int64_t kBlocksAhead = 3;
 // Token t sits at position pos0 + (t - t0) and attends keys [0, position];
 // its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
 // ... + g - 1. Which heads share an item changes only the speed.
+// The item a thread runs after this one (its first blocks are prefetched while
+// this one's last blocks compute): its sequence's table, how many blocks it
+// reads, its first kv head. blocks = 0: none.
+struct NextItem {
+  const int64_t* table = nullptr;
+  int64_t blocks = 0, h0 = 0, heads = 0;
+};
+
 template <typename scalar_t, int64_t BS, int64_t D>
 void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0, int64_t h1,
-                 const AttentionShape& s) {
+                 const AttentionShape& s, const NextItem& after) {
   const int64_t d = D > 0 ? D : s.head_dim, g = s.num_heads / s.num_kv_heads;
   const int64_t bs = BS > 0 ? BS : s.block_size;
   const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
@@ -798,9 +807,17 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       // (kBlocksAhead; block blk + 3 enters the window here, the first block asks for all
       // three). A head at a time spreads the requests over the block's work (all of an
       // item's heads in one burst: 4-14% slower at 64 decodes).
+      // Past this item's last block, the thread's next item's first blocks (same head offset).
+      const int64_t blocks = last_pos / bs + 1;
       for (int64_t ahead = blk == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
-        if ((blk + ahead) * bs > last_pos) break;
-        const int64_t next = (table[blk + ahead] * s.num_kv_heads + h) * run;
+        int64_t next;
+        if (blk + ahead < blocks) {
+          next = (table[blk + ahead] * s.num_kv_heads + h) * run;
+        } else if (blk + ahead - blocks < after.blocks && h - h0 < after.heads) {
+          next = (after.table[blk + ahead - blocks] * s.num_kv_heads + after.h0 + (h - h0)) * run;
+        } else {
+          break;
+        }
         const char* kp = reinterpret_cast<const char*>(k_cache + next);
         const char* vp = reinterpret_cast<const char*>(v_cache + next);
         for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
@@ -881,20 +898,35 @@ template <typename scalar_t>
 void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
                   scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, bool portable) {
   const int64_t count = static_cast<int64_t>(items.size());
-  // Dynamic scheduling balances long and short items; which thread runs an
-  // item does not change its arithmetic.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t w = 0; w < count; ++w) {
-    const Item& it = items[w];
-    const int64_t* table = tables + it.seq * s.table_width;
-    if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
-      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
-    } else if (s.block_size == 16 && s.head_dim == 64) {
-      attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
-    } else if (s.block_size == 16 && s.head_dim == 128) {
-      attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
-    } else {
-      attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s);
+  // Items are handed out one at a time as threads come free (long and short ones
+  // balance), each thread claiming its next item when it starts one, so that it can
+  // prefetch that item's first blocks. Which thread runs an item does not change its
+  // arithmetic.
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    int64_t w = claimed.fetch_add(1);
+    while (w < count) {
+      const int64_t following = claimed.fetch_add(1);
+      const Item& it = items[w];
+      const int64_t* table = tables + it.seq * s.table_width;
+      NextItem after;
+      if (following < count) {
+        const Item& nx = items[following];
+        after = {tables + nx.seq * s.table_width, (nx.pos0 + (nx.t1 - nx.t0) - 1) / s.block_size + 1, nx.h0,
+                 nx.h1 - nx.h0};
+      }
+      if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
+        attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+      } else if (s.block_size == 16 && s.head_dim == 64) {
+        attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+      } else if (s.block_size == 16 && s.head_dim == 128) {
+        attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s,
+                                       after);
+      } else {
+        attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+      }
+      w = following;
     }
   }
 }
