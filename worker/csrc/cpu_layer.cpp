@@ -36,6 +36,7 @@ template <typename T> inline float round_to(float f) { return to_float(from_floa
 constexpr int64_t kLanes = 16;
 constexpr int64_t kNormGrain = 64;  // rows per thread task (a row of 576 is ~0.2-0.4 us)
 constexpr int64_t kRopeGrain = 16;
+constexpr int64_t kRopeAhead = 4;  // tokens whose cache lines are requested ahead of their stores
 
 // 1 / sqrt(mean(v^2) + eps) of one row already in float32: v[i]^2 summed into
 // lane i % 16 in order, the lanes folded pairwise (8, 4, 2, 1).
@@ -166,9 +167,24 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
                          T* q_out, int64_t rows, int64_t nh, int64_t kvh, int64_t d, int64_t bs) {
   constexpr int64_t P = jitney_cpu::kPack<T>;
   const int64_t width = (nh + 2 * kvh) * d;
+  // A token's K is d / P four-byte stores a head, each in its own cache line (the
+  // layout's lanes are keys): ask for token t + kRopeAhead's lines, for writing,
+  // before token t's stores, or each store waits on its line's read from memory.
+  const auto prefetch_slot = [&](int64_t slot) {
+    if (slot < 0) return;
+    const int64_t block = slot / bs, j = slot % bs;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const T* kb = k_cache + (block * kvh + h) * bs * d + j * P;
+      for (int64_t p = 0; p < d / P; ++p) __builtin_prefetch(kb + p * bs * P, 1, 3);
+      const char* vb = reinterpret_cast<const char*>(v_cache + ((block * kvh + h) * bs + j) * d);
+      for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vb + off, 1, 3);
+    }
+  };
   at::parallel_for(0, rows, kRopeGrain, [&](int64_t r0, int64_t r1) {
     std::vector<T> k(kvh * d);
+    for (int64_t t = r0; t < std::min(r1, r0 + kRopeAhead); ++t) prefetch_slot(slots[t]);
     for (int64_t t = r0; t < r1; ++t) {
+      if (t + kRopeAhead < r1) prefetch_slot(slots[t + kRopeAhead]);
       const T* row = qkv + t * width;
       const T* c = cos + t * d;
       const T* s = sin + t * d;
