@@ -51,23 +51,6 @@ inline const char* unit_weights(const void* packed, int64_t u, int64_t chunks) {
   return static_cast<const char*>(packed) + (u / kPerBlock) * chunks * kChunkBytes + (u % kPerBlock) * TILES * kTileBytes;
 }
 
-// Where a thread reads weights kStreamAhead chunks ahead of chunk c of its
-// unit `unit`, in the order it reads them: its units `unit` .. `last` in
-// turn, each unit's chunks in order. A unit of a K = 576 layer is only 9
-// chunks, so a prefetch that stayed within its unit would leave most of it
-// unfetched; nullptr past `last`.
-template <int TILES>
-struct UnitStream {
-  const void* packed;
-  int64_t unit, last, chunks;
-  const char* target(int64_t c) const {
-    int64_t s = c + kStreamAhead;
-    const int64_t u = unit + s / chunks;
-    s %= chunks;
-    return u <= last ? unit_weights<TILES>(packed, u, chunks) + s * kChunkBytes : nullptr;
-  }
-};
-
 // A work unit's weights streamed into L2 while the current unit's passes (a
 // pass: every K step, for one block of rows) compute from cache: the unit at
 // `next` (`tiles` tiles of each of its `chunks` chunks), spread evenly over

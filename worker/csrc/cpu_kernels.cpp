@@ -248,38 +248,36 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
 // 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
-template <int R, int TILES, typename out_t>
+// With NEXT (several passes over a unit), each K pair also moves `next` on: the
+// thread's next unit streams into L2 over all the passes (amx.h's NextUnitStream).
+template <int R, int TILES, bool NEXT, typename out_t>
 inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
-                    int64_t cols, const jitney_cpu::UnitStream<TILES>& stream, jitney_cpu::NextUnitStream* next) {
+                    int64_t cols, jitney_cpu::NextUnitStream* next) {
   __m512 acc[R][TILES];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
   const int64_t full = k / 2;  // whole K pairs; an odd K's last value is a pair with 0
-  const char* ahead = nullptr;  // the chunk kStreamAhead ahead in the thread's reading order
-  // Row r's K pair as the 32 bits at pairs + r * stride (bytes), broadcast straight from
-  // memory (through a general register it cost ~1.3x at 8 rows, warm).
-  const auto step = [&](int64_t p, const char* pairs, int64_t stride) __attribute__((always_inline)) {
+  const auto step = [&](int64_t p, const uint32_t* pairs) __attribute__((always_inline)) {
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
-    // Into L2 (bench/int8_linears.py, docs/performance.md).
-    if (ahead)
-      for (int t = 0; t < TILES; ++t) _mm_prefetch(ahead + (p & 15) * 64 + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
-    if (next) next->step();
+    // amx.h's kStreamAhead chunks ahead into L2 (bench/int8_linears.py, docs/performance.md).
+    for (int t = 0; t < TILES; ++t)
+      _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
+    if constexpr (NEXT) next->step();
     __m512bh wt[TILES];
     for (int t = 0; t < TILES; ++t) wt[t] = (__m512bh)_mm512_loadu_si512(wp + t * jitney_cpu::kTileBytes);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(pairs + r * stride));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r]));
       for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, wt[t]);
     }
   };
-  const char* xc = reinterpret_cast<const char*>(x);
+  uint32_t pairs[R];
   for (int64_t p = 0; p < full; ++p) {
-    if ((p & 15) == 0) ahead = stream.target(p >> 4);
-    step(p, xc + 4 * p, 2 * k);
+    for (int r = 0; r < R; ++r) std::memcpy(&pairs[r], x + r * k + 2 * p, 4);
+    step(p, pairs);
   }
   if (k % 2) {
-    uint32_t pairs[R];
     for (int r = 0; r < R; ++r) pairs[r] = x[r * k + k - 1].x;  // little-endian: (value, 0)
-    step(full, reinterpret_cast<const char*>(pairs), 4);
+    step(full, pairs);
   }
   alignas(64) float row[TILES * 16];
   for (int r = 0; r < R; ++r) {
@@ -306,22 +304,27 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
       const int64_t passes = (m + kRows - 1) / kRows;
       jitney_cpu::NextUnitStream stream(u + 1 < u1 ? jitney_cpu::unit_weights<TILES>(packed, u + 1, chunks) : nullptr,
                                         chunks, TILES, passes * ((k + 1) / 2));
-      jitney_cpu::NextUnitStream* next = passes > 1 && stream.active() ? &stream : nullptr;
-      // One pass: the prefetch runs on into the thread's next units; several: within this one.
-      const jitney_cpu::UnitStream<TILES> ahead{packed, u, passes > 1 ? u : u1 - 1, chunks};
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const at::BFloat16* xr = x + r0 * k;
-        out_t* yr = y + r0 * n + col0;
-        switch (std::min(kRows, m - r0)) {
-          case 1: dp_rows<1, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          case 2: dp_rows<2, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          case 3: dp_rows<3, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          case 4: dp_rows<4, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          case 5: dp_rows<5, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          case 6: dp_rows<6, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          case 7: if constexpr (kRows >= 7) dp_rows<7, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
-          default: if constexpr (kRows >= 8) dp_rows<8, TILES>(xr, k, w, b, yr, n, cols, ahead, next); break;
+      const auto rows = [&](auto next_on) {
+        constexpr bool kNext = decltype(next_on)::value;
+        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+          const at::BFloat16* xr = x + r0 * k;
+          out_t* yr = y + r0 * n + col0;
+          switch (std::min(kRows, m - r0)) {
+            case 1: dp_rows<1, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            case 2: dp_rows<2, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            case 3: dp_rows<3, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            case 4: dp_rows<4, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            case 5: dp_rows<5, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            case 6: dp_rows<6, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            case 7: if constexpr (kRows >= 7) dp_rows<7, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+            default: if constexpr (kRows >= 8) dp_rows<8, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
+          }
         }
+      };
+      if (passes > 1 && stream.active()) {
+        rows(std::true_type{});
+      } else {
+        rows(std::false_type{});
       }
     }
   });
