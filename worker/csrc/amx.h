@@ -44,36 +44,6 @@ constexpr int64_t kChunkBytes = 4 * kTileBytes;      // one K chunk of one block
 // on an AMD EPYC, 2 chunks into L1 streamed at ~20 GB/s, 8 into L2 at ~30.
 constexpr int64_t kStreamAhead = 8;
 
-// The weights of work unit u: TILES tiles of a column block (4 / TILES units a block).
-template <int TILES>
-inline const char* unit_weights(const void* packed, int64_t u, int64_t chunks) {
-  constexpr int64_t kPerBlock = 4 / TILES;
-  return static_cast<const char*>(packed) + (u / kPerBlock) * chunks * kChunkBytes + (u % kPerBlock) * TILES * kTileBytes;
-}
-
-// A work unit's weights streamed into L2 while the current unit's passes (a
-// pass: every K step, for one block of rows) compute from cache: the unit at
-// `next` (`tiles` tiles of each of its `chunks` chunks), spread evenly over
-// `steps` calls of step(). Without it a pass that streams from memory
-// alternates with later passes during which memory idles.
-class NextUnitStream {
- public:
-  NextUnitStream(const char* next, int64_t chunks, int64_t tiles, int64_t steps)
-      : next_(next), per_chunk_(tiles * kTileBytes / 64), lines_(chunks * per_chunk_), steps_(steps) {}
-  bool active() const { return next_ != nullptr && lines_ > 0 && steps_ > 0; }
-  // Due lines: lines_ over steps_ calls, by an integer error term (no division).
-  inline void step() {
-    for (due_ += lines_; due_ >= steps_ && done_ < lines_; due_ -= steps_, ++done_) {
-      __builtin_prefetch(next_ + chunk_ * kChunkBytes + line_ * 64, 0, 2);  // T1: into L2
-      if (++line_ == per_chunk_) line_ = 0, ++chunk_;
-    }
-  }
-
- private:
-  const char* next_;
-  int64_t per_chunk_, lines_, steps_, due_ = 0, done_ = 0, chunk_ = 0, line_ = 0;
-};
-
 // weight (N, K) -> (ceil(N / 64), Kp * 64) of weight's dtype in the layout above.
 inline at::Tensor pack_weight_tiles(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), size = weight.element_size();
@@ -95,6 +65,12 @@ inline at::Tensor pack_weight_tiles(const at::Tensor& weight) {
   return out;
 }
 
+// The weights of work unit u: TILES tiles of a column block (4 / TILES units a block).
+template <int TILES>
+inline const char* unit_weights(const void* packed, int64_t u, int64_t chunks) {
+  constexpr int64_t kPerBlock = 4 / TILES;
+  return static_cast<const char*>(packed) + (u / kPerBlock) * chunks * kChunkBytes + (u % kPerBlock) * TILES * kTileBytes;
+}
 
 #if defined(__AMX_TILE__)
 // Linux hands out the tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).

@@ -248,11 +248,9 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
 // 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
-// With NEXT (several passes over a unit), each K pair also moves `next` on: the
-// thread's next unit streams into L2 over all the passes (amx.h's NextUnitStream).
-template <int R, int TILES, bool NEXT, typename out_t>
+template <int R, int TILES, typename out_t>
 inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
-                    int64_t cols, jitney_cpu::NextUnitStream* next) {
+                    int64_t cols) {
   __m512 acc[R][TILES];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -262,7 +260,6 @@ inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float
     // amx.h's kStreamAhead chunks ahead into L2 (bench/int8_linears.py, docs/performance.md).
     for (int t = 0; t < TILES; ++t)
       _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
-    if constexpr (NEXT) next->step();
     __m512bh wt[TILES];
     for (int t = 0; t < TILES; ++t) wt[t] = (__m512bh)_mm512_loadu_si512(wp + t * jitney_cpu::kTileBytes);
     for (int r = 0; r < R; ++r) {
@@ -300,31 +297,19 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
       const int64_t cols = std::min(kUnitCols, n - col0);
       const char* w = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
       const float* b = bias ? bias + col0 : nullptr;
-      // With several passes, the thread's next unit streams into L2 over all of them.
-      const int64_t passes = (m + kRows - 1) / kRows;
-      jitney_cpu::NextUnitStream stream(u + 1 < u1 ? jitney_cpu::unit_weights<TILES>(packed, u + 1, chunks) : nullptr,
-                                        chunks, TILES, passes * ((k + 1) / 2));
-      const auto rows = [&](auto next_on) {
-        constexpr bool kNext = decltype(next_on)::value;
-        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-          const at::BFloat16* xr = x + r0 * k;
-          out_t* yr = y + r0 * n + col0;
-          switch (std::min(kRows, m - r0)) {
-            case 1: dp_rows<1, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            case 2: dp_rows<2, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            case 3: dp_rows<3, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            case 4: dp_rows<4, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            case 5: dp_rows<5, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            case 6: dp_rows<6, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            case 7: if constexpr (kRows >= 7) dp_rows<7, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-            default: if constexpr (kRows >= 8) dp_rows<8, TILES, kNext>(xr, k, w, b, yr, n, cols, &stream); break;
-          }
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const at::BFloat16* xr = x + r0 * k;
+        out_t* yr = y + r0 * n + col0;
+        switch (std::min(kRows, m - r0)) {
+          case 1: dp_rows<1, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 2: dp_rows<2, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 3: dp_rows<3, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 4: dp_rows<4, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 5: dp_rows<5, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 6: dp_rows<6, TILES>(xr, k, w, b, yr, n, cols); break;
+          case 7: if constexpr (kRows >= 7) dp_rows<7, TILES>(xr, k, w, b, yr, n, cols); break;
+          default: if constexpr (kRows >= 8) dp_rows<8, TILES>(xr, k, w, b, yr, n, cols); break;
         }
-      };
-      if (passes > 1 && stream.active()) {
-        rows(std::true_type{});
-      } else {
-        rows(std::false_type{});
       }
     }
   });
@@ -755,10 +740,6 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
 // the next two into L1 instead: no gain; four or six ahead: no better.)
 constexpr int64_t kBlocksAhead = 3;
 
-// Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
-// Token t sits at position pos0 + (t - t0) and attends keys [0, position];
-// its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
-// ... + g - 1. Which heads share an item changes only the speed.
 // The item a thread runs after this one (its first blocks are prefetched while
 // this one's last blocks compute): its sequence's table, how many blocks it
 // reads, its first kv head. blocks = 0: none.
@@ -767,6 +748,10 @@ struct NextItem {
   int64_t blocks = 0, h0 = 0, heads = 0;
 };
 
+// Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
+// Token t sits at position pos0 + (t - t0) and attends keys [0, position];
+// its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
+// ... + g - 1. Which heads share an item changes only the speed.
 template <typename scalar_t, int64_t BS, int64_t D>
 void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0, int64_t h1,
