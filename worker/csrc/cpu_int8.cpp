@@ -328,7 +328,7 @@ inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr,
     for (int limb = 0; limb < 2; ++limb) acc[r][limb][0] = acc[r][limb][1] = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t quads = kp / 4;
-#pragma GCC unroll 2
+#pragma GCC unroll 2  // 2-4% at 8-64 rows (bench/kernel_ab.py)
   for (int64_t p = 0; p < quads; ++p) {
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
     // amx.h's kStreamAhead chunks ahead into L2 (2 into L1: 7.4 against 5.4 ms for a
@@ -339,8 +339,9 @@ inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr,
     const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wp + kTileBytes), flip);
     for (int r = 0; r < R; ++r)
       for (int limb = 0; limb < 2; ++limb) {
-        // Broadcast straight from memory (through a general register: slower, as in the bf16 kernel).
-        const __m512i a = _mm512_broadcastd_epi32(_mm_loadu_si32(limbs + (r + limb * kRowsPerBlock) * kp + 4 * p));
+        int32_t quad;
+        std::memcpy(&quad, limbs + (r + limb * kRowsPerBlock) * kp + 4 * p, 4);
+        const __m512i a = _mm512_set1_epi32(quad);
         acc[r][limb][0] = _mm512_dpbusd_epi32(acc[r][limb][0], w0, a);
         acc[r][limb][1] = _mm512_dpbusd_epi32(acc[r][limb][1], w1, a);
       }
