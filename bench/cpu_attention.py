@@ -34,6 +34,16 @@ CASES = {"prefill 512": ([512], [512]), "decode 1 x 200": ([1], [200]),
          "decode 64 x 200": ([1] * 64, [200] * 64), "decode 64 x 400": ([1] * 64, [400] * 64)}
 
 
+def case_metadata(query_lens: list[int], seq_lens: list[int], order: list[int]) -> AttentionMetadata:
+    """A case's metadata, its sequences' blocks taken from ``order`` in turn (consecutive or scattered)."""
+    tables, first = [], 0
+    for length in seq_lens:
+        tables.append(order[first:first + math.ceil(length / BLOCK)])
+        first += len(tables[-1])
+    return AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+                                   block_size=BLOCK, device=torch.device("cpu"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
@@ -67,12 +77,7 @@ def main() -> int:
           f"{'scattered' if args.scattered else 'consecutive'} blocks")
     print("| case | invariant kernel ms | gather + SDPA ms |\n|---|---|---|")
     for name, (query_lens, seq_lens) in CASES.items():
-        tables, first = [], 0
-        for length in seq_lens:
-            tables.append(order[first:first + math.ceil(length / BLOCK)])
-            first += len(tables[-1])
-        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
-                                       block_size=BLOCK, device=torch.device("cpu"))
+        meta = case_metadata(query_lens, seq_lens, order)
         query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).bfloat16()
         sdpa = "–" if args.no_sdpa else f"{per_call(TorchPagedAttention(), query, meta):.2f}"
         print(f"| {name} | {per_call(InvariantCpuAttention(), query, meta):.2f} | {sdpa} |", flush=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import math
 import statistics
 import subprocess
 import sys
@@ -161,9 +160,11 @@ def linears(builds: list[Any], refs: list[str], kind: str, rows_list: list[int],
 
 
 def attention(builds: list[Any], refs: list[str], rounds: int) -> None:
-    from jitney.worker.attention import AttentionMetadata, to_kernel_layout
+    from bench.cpu_attention import BLOCK as block, HEAD_DIM as head_dim, HEADS as heads, KV_HEADS as kv_heads
+    from bench.cpu_attention import case_metadata
+    from jitney.worker.attention import to_kernel_layout
 
-    heads, kv_heads, head_dim, block, layers = 9, 3, 64, 16, 30
+    layers = 30
     gen = torch.Generator().manual_seed(0)
     caches = [to_kernel_layout(torch.randn(2000, block, kv_heads, head_dim, generator=gen).bfloat16(),
                                torch.randn(2000, block, kv_heads, head_dim, generator=gen).bfloat16())
@@ -175,12 +176,7 @@ def attention(builds: list[Any], refs: list[str], rounds: int) -> None:
     print(f"\n### paged attention: median ms a layer, {layers} layers' scattered caches ({rounds} rounds)\n")
     print("| case | " + " | ".join(refs) + " | same bits |\n" + "|---" * (len(refs) + 2) + "|")
     for name, (query_lens, seq_lens) in cases.items():
-        tables, first = [], 0
-        for length in seq_lens:
-            tables.append(order[first:first + math.ceil(length / block)])
-            first += len(tables[-1])
-        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
-                                       block_size=block, device=torch.device("cpu"))
+        meta = case_metadata(query_lens, seq_lens, order)
         query = torch.randn(sum(query_lens), heads, head_dim, generator=gen).bfloat16()
 
         def call(ops: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -761,6 +761,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
   const int64_t nq = (h1 - h0) * per_head;
   const int64_t last_pos = pos0 + (t1 - t0) - 1;
+  const int64_t blocks = last_pos / bs + 1;  // the sequence's blocks these tokens see
   constexpr int64_t P = kPack<scalar_t>;
   // Per-thread scratch, reused across items: the query rows, their running sums, a block as
   // float32. kt and vf need no clearing: a lane past a block's n keys is masked, never used.
@@ -784,7 +785,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     }
   }
   const int64_t run = bs * d;  // values of one (block, kv head), in K and in V
-  for (int64_t blk = 0; blk * bs <= last_pos; ++blk) {
+  for (int64_t blk = 0; blk < blocks; ++blk) {
     // The tokens that see this block: those that see only part of it one by one, then
     // those that see all of it (the rest of the tile) in one call.
     const int64_t first = std::max(t0, t0 + blk * bs - pos0);
@@ -796,7 +797,6 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       // three). A head at a time spreads the requests over the block's work (all of an
       // item's heads in one burst: 4-14% slower at 64 decodes).
       // Past this item's last block, the thread's next item's first blocks (same head offset).
-      const int64_t blocks = last_pos / bs + 1;
       for (int64_t ahead = blk == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
         int64_t next;
         if (blk + ahead < blocks) {

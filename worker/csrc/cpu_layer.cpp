@@ -170,14 +170,18 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
   // A token's K is d / P four-byte stores a head, each in its own cache line (the
   // layout's lanes are keys): ask for token t + kRopeAhead's lines, for writing,
   // before token t's stores, or each store waits on its line's read from memory.
+  // Where slot `slot`'s kv head h lies: K's lane p at k_lane(slot, h) + p * bs * P, V's row at v_row(slot, h).
+  const auto k_lane = [&](int64_t slot, int64_t h) {
+    return k_cache + ((slot / bs * kvh + h) * bs * d + slot % bs * P);
+  };
+  const auto v_row = [&](int64_t slot, int64_t h) { return v_cache + ((slot / bs * kvh + h) * bs + slot % bs) * d; };
   const auto prefetch_slot = [&](int64_t slot) {
     if (slot < 0) return;
-    const int64_t block = slot / bs, j = slot % bs;
     for (int64_t h = 0; h < kvh; ++h) {
-      const T* kb = k_cache + (block * kvh + h) * bs * d + j * P;
-      for (int64_t p = 0; p < d / P; ++p) __builtin_prefetch(kb + p * bs * P, 1, 3);
-      const char* vb = reinterpret_cast<const char*>(v_cache + ((block * kvh + h) * bs + j) * d);
-      for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vb + off, 1, 3);
+      const T* kl = k_lane(slot, h);
+      for (int64_t p = 0; p < d / P; ++p) __builtin_prefetch(kl + p * bs * P, 1, 3);
+      const char* vr = reinterpret_cast<const char*>(v_row(slot, h));
+      for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vr + off, 1, 3);
     }
   };
   at::parallel_for(0, rows, kRopeGrain, [&](int64_t r0, int64_t r1) {
@@ -192,12 +196,11 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // a padding token: nothing to store
       rotate_heads(row + nh * d, c, s, k.data(), kvh, d);
-      const int64_t block = slot / bs, j = slot % bs;
       for (int64_t h = 0; h < kvh; ++h) {
-        T* kb = k_cache + (block * kvh + h) * bs * d;
+        T* kl = k_lane(slot, h);
         for (int64_t p = 0; p < d / P; ++p)  // one 32-bit lane a row
-          std::memcpy(kb + (p * bs + j) * P, k.data() + h * d + p * P, P * sizeof(T));
-        std::memcpy(v_cache + ((block * kvh + h) * bs + j) * d, row + (nh + kvh + h) * d, d * sizeof(T));
+          std::memcpy(kl + p * bs * P, k.data() + h * d + p * P, P * sizeof(T));
+        std::memcpy(v_row(slot, h), row + (nh + kvh + h) * d, d * sizeof(T));
       }
     }
   });
