@@ -106,6 +106,7 @@ def _rank_main(rank: int, port: int, models: list[str], out: str) -> None:
     from jitney.worker.watchdog import Watchdog
 
     torch.set_num_threads(1)
+    threads = _native_threads()
     group = parallel.init_group(_config(models[0], rank, 2, port))
     assert group is not None
     results = []
@@ -119,6 +120,13 @@ def _rank_main(rank: int, port: int, models: list[str], out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     group.close()
+    # gloo's threads are gone once the group is closed, not at interpreter exit
+    # (where tearing them down could abort a rank after a clean shutdown)
+    assert _native_threads() == threads, (rank, threads, _native_threads())
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture(scope="module")
