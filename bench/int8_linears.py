@@ -17,6 +17,11 @@ streams all of them from memory as a step does. Four kernels take turns:
 The median pass of ``--reps`` is reported per shape (the first pass warms
 up), with the bytes of weights read per second, and the sum over shapes: a
 decode step's linears at that many rows.
+
+``--call-sizes`` instead streams the same ~130 MB of int8 weights (~265 MB
+of bf16) at one row, split into calls of one size (576, 3072, 49152 or
+230400 output columns of 576 inputs): how much a call's size costs the
+rate at which the weights are read.
 """
 
 from __future__ import annotations
@@ -55,8 +60,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--call-sizes", action="store_true",
+                        help="one row, the same bytes a pass split into calls of one size each")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.call_sizes:
+        return call_sizes(gen, args.reps)
     print(f"torch threads {torch.get_num_threads()}, bf16 kernel {cpu_kernels.linear_kernel()}, "
           f"int8 path {cpu_kernels.int8_path()}, int4 path {cpu_kernels.int4_path()}")
     print("| rows | shape | out x in | weights | bf16 ms (GB/s) | torch ms (GB/s) | int8 ms (GB/s) "
@@ -89,6 +98,30 @@ def main() -> int:
         cells = " | ".join(f"{total[m] * 1e3:.2f}" for m in MODES)
         print(f"| {rows} | **all** | | | {cells} | {total['torch'] / total['bf16']:.2f}x "
               f"| {total['bf16'] / total['int8']:.2f}x | {total['bf16'] / total['int4']:.2f}x |")
+    return 0
+
+
+def call_sizes(gen: torch.Generator, reps: int) -> int:
+    """One row through int8 and bf16 linears: GB/s by each call's size, ~130 MB of int8 a pass."""
+    k, total = 576, 130e6
+    print("| kernel | out x in | MB a call | calls a pass | ms a pass | GB/s | µs a call |\n|---|---|---|---|---|---|---|")
+    for mode in ("int8", "bf16"):
+        for n in (576, 3072, 49152, 230400):
+            count = max(1, int(total / (n * k)) // (1 if mode == "int8" else 2))
+            make = cpu_kernels.Int8Linear if mode == "int8" else cpu_kernels.InvariantLinear
+            lins = [make((torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16), None) for _ in range(count)]
+            x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+            times = []
+            for _ in range(reps + 1):
+                started = time.perf_counter()
+                for lin in lins:
+                    lin(x)
+                times.append(time.perf_counter() - started)
+            med = statistics.median(times[1:])   # the first pass warms up
+            size = BYTES_PER_WEIGHT[mode] * n * k
+            print(f"| {mode} | {n} x {k} | {size / 1e6:.2f} | {count} | {med * 1e3:.2f} | {size * count / med / 1e9:.1f} "
+                  f"| {med / count * 1e6:.1f} |", flush=True)
+            del lins
     return 0
 
 
