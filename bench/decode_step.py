@@ -2,7 +2,8 @@
 """The worker's decode step on the CPU, by batch size: model time and the rest.
 
     .venv/bin/python bench/decode_step.py [--dtype float32 bfloat16] [--batch 1 8 16 32 64] [--context 100]
-        [--invariant on off] [--model PATH] [--emulate-graphs] [--prefill 2048]
+        [--invariant on off] [--layer-stack on off] [--rounds 1] [--model PATH] [--emulate-graphs]
+        [--prefill 2048]
 
 Drives the worker's ModelRunner directly with engine plans: each of B
 sequences is prefilled with ``--context`` tokens, then ``--reps`` decode
@@ -12,6 +13,9 @@ steps are timed. Per step: ``execute`` = wall time of ``runner.execute``
 ``non-model`` = their difference, the worker's own overhead. Medians.
 ``--invariant on off`` measures the batch-invariant kernels (the CPU
 default) and ``--no-batch-invariant``'s oneDNN path side by side.
+``--layer-stack on off`` measures the invariant path's layers in one C++
+call (``CausalLM.layer_stack``, the default) and op by op, on the same
+runner, in turns over ``--rounds`` rounds (median of the rounds' medians).
 
 To see the host work that a fast GPU forward exposes, use a tiny model
 (``--model``, e.g. one made by ``bench/tiny_models.py``) so the forward
@@ -116,18 +120,24 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--invariant", nargs="+", choices=["on", "off"], default=["on"],
                         help="batch-invariant kernels (on, the CPU default) and/or --no-batch-invariant (off)")
+    parser.add_argument("--quantization", nargs="+", choices=["none", "int8", "int4"], default=["none"],
+                        help="weights in the dtype (none) and/or int8 / int4 (the dtype column says which)")
+    parser.add_argument("--layer-stack", nargs="+", choices=["on", "off"], default=["on"],
+                        help="the CPU's invariant layers in one C++ call (on, the default) and/or op by op (off)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every --layer-stack setting, in turns")
     parser.add_argument("--model", default=None, help="model folder (default: the worker's default model)")
     parser.add_argument("--emulate-graphs", action="store_true",
                         help="decode steps take the CUDA graph path, emulated by an eager padded forward")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="also time a new sequence's one N-token chunk")
     args = parser.parse_args()
-    print("| dtype | invariant | batch | model ms | execute ms | non-model ms |\n|---|---|---|---|---|---|")
-    for dtype in args.dtype:
+    print("| dtype | invariant | layer stack | batch | model ms | execute ms | non-model ms |\n"
+          "|---|---|---|---|---|---|---|")
+    for dtype, quantization in ((d, q) for d in args.dtype for q in args.quantization):
         for invariant in args.invariant:
             max_seqs = 256
             runner = make_runner(dtype, model=args.model, invariant=invariant == "on", prefill=args.prefill,
-                                 max_seqs=max_seqs)
+                                 max_seqs=max_seqs, quantization=quantization)
             if args.emulate_graphs:
                 runner.graphs = EmulatedGraphs(runner.model, runner.cache, runner.batch, capture_sizes(max_seqs),
                                                capture=False)
@@ -137,9 +147,18 @@ def main() -> int:
                 rows.append((f"prefill {args.prefill}", functools.partial(measure_prefill, runner, args.prefill,
                                                                           args.reps)))
             for label, run in rows:
-                model_s, total_s = run()
-                print(f"| {dtype} | {invariant} | {label} | {model_s * 1000:.1f} | {total_s * 1000:.1f} | "
-                      f"{(total_s - model_s) * 1000:.2f} |", flush=True)
+                got: dict[str, list[tuple[float, float]]] = {setting: [] for setting in args.layer_stack}
+                for _ in range(args.rounds):
+                    for setting in args.layer_stack:
+                        runner.model.use_layer_stack = setting == "on"
+                        got[setting].append(run())
+                for setting, results in got.items():
+                    model_s = statistics.median(m for m, _ in results)
+                    total_s = statistics.median(t for _, t in results)
+                    stacked = "on" if setting == "on" and runner.model.layer_stack(runner.cache) is not None else "off"
+                    label_dtype = dtype if quantization == "none" else f"{dtype}, {quantization} weights"
+                    print(f"| {label_dtype} | {invariant} | {stacked} | {label} | {model_s * 1000:.1f} | "
+                          f"{total_s * 1000:.1f} | {(total_s - model_s) * 1000:.2f} |", flush=True)
     return 0
 
 

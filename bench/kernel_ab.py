@@ -20,7 +20,9 @@ turns within one process, on the same tensors:
   blocks (decodes, a prefill chunk, a mixed step); median ms a layer.
 - ``--step MODE --batch B``: the worker's decode step (``bench/decode_step.py``'s
   measure, 200 tokens of context) with the runner's CPU ops switched between
-  the builds in turns; median model ms, and each round's.
+  the builds in turns; median model ms, and each round's. The layers run op
+  by op there (``CausalLM.use_layer_stack`` off): the one-call stack calls
+  the worker's own build.
 
 Each table says whether the builds' outputs were bit-identical. Builds are
 cached under ``$JITNEY_KERNEL_CACHE/ab`` by their sources.
@@ -198,6 +200,9 @@ def step(builds: list[Any], refs: list[str], mode: str, batches: list[int], roun
 
     config: dict[str, Any] = {} if mode == "bf16" else {"quantization": mode}
     runner = make_runner("auto", **config)
+    # Op by op: the one-call layer stack is the worker's own build's (csrc/cpu_stack.cpp calls
+    # its kernels directly), so switching the ops' namespace would not switch what it runs.
+    runner.model.use_layer_stack = False
     namespace = torch.ops.jitney_cpu
     layer_ops: Any = runner.model.ops
 
@@ -208,7 +213,8 @@ def step(builds: list[Any], refs: list[str], mode: str, batches: list[int], roun
             layer_ops._rms_norm, layer_ops._add_rms_norm = ops.rms_norm.default, ops.add_rms_norm.default
             layer_ops._rope_and_cache, layer_ops._silu_mul = ops.rope_and_cache.default, ops.silu_mul.default
 
-    print(f"\n### decode step ({mode}, 200 tokens of context): model ms, median of {rounds} rounds (each round)\n")
+    print(f"\n### decode step ({mode}, 200 tokens of context, the layers op by op): model ms, median of {rounds} "
+          "rounds (each round)\n")
     print("| batch | " + " | ".join(refs) + " |\n" + "|---" * (len(refs) + 1) + "|")
     try:
         for batch in batches:

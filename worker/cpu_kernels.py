@@ -159,6 +159,36 @@ class InvariantLinear(nn.Module):
         return y
 
 
+LayerParts = tuple[torch.Tensor, float, torch.Tensor, float, torch.Tensor, torch.Tensor, list[nn.Module]]
+"""One decoder layer for ``layer_stack``: (input norm weight, eps, post-attention norm
+weight, eps, K cache, V cache, [qkv, o, gate_up, down])."""
+
+
+def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                layers: list[LayerParts]) -> torch.ScriptObject | None:
+    """``csrc/cpu_stack.cpp``'s ``LayerStack``: every layer of a step in one call,
+    the same kernels in the same order as ``DecoderLayer.forward`` on
+    ``InvariantCpuLayerOps`` (so the same bits). None where a linear is not one
+    of this module's (``InvariantLinear``, ``Int8Linear``, ``Int4Linear``) or
+    returns float32."""
+    load()
+    stack = torch.classes.jitney_cpu.LayerStack(num_heads, num_kv_heads, head_dim, scale)
+    for norm1, eps1, norm2, eps2, k_cache, v_cache, linears in layers:
+        stack.add_layer(norm1, eps1, norm2, eps2, k_cache, v_cache)
+        for lin in linears:
+            if isinstance(lin, InvariantLinear) and not lin.out_float:
+                stack.add_linear(0, lin.packed, None, None, lin.bias, lin.in_features, lin.out_features, lin.portable)
+            elif isinstance(lin, Int8Linear) and not lin.out_float:
+                stack.add_linear(1, lin.packed, None, lin.scale, lin.bias, lin.in_features, lin.out_features,
+                                 lin.portable)
+            elif isinstance(lin, Int4Linear) and not lin.out_float:
+                stack.add_linear(2, lin.q4, lin.cv, lin.scale, lin.bias, lin.in_features, lin.out_features,
+                                 lin.portable)
+            else:
+                return None
+    return stack
+
+
 def linear_kernel() -> str:
     """The kernel bf16 ``InvariantLinear``s run on here: ``amx`` (AMX-BF16), ``avx512_bf16``
     (AVX-512 BF16, no AMX) or ``portable`` (the plain loops: a CPU with neither)."""

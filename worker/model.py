@@ -21,7 +21,9 @@ o_proj and after down_proj, and is the identity without a group.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
+from typing import Any, cast
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +227,11 @@ class CausalLM(nn.Module):
         # None: tied to the embedding (until a packed copy takes its place).
         self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        # The CPU's invariant path runs its layers as one C++ call (``layer_stack``) unless this
+        # is False (tests compare the two; benchmarks measure them side by side).
+        self.use_layer_stack = True
+        # (the cache it was made over, weakly: a model does not keep a cache alive; the stack)
+        self._stack: tuple[weakref.ref[PagedKVCache], torch.ScriptObject | None] | None = None
 
     def forward(
         self,
@@ -240,6 +247,11 @@ class CausalLM(nn.Module):
         meta = self.backend.prepare(meta)  # once per step, for every layer
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         rope = self.ops.rope_inputs(positions, x.dtype)
+        stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack else None
+        if stack is not None:
+            out, stream = stack.forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc)
+            return cast(torch.Tensor, out + stream)
         residual: torch.Tensor | None = None
         # The layers and their parts are called by .forward, not through nn.Module.__call__,
         # whose hook checks cost ~4 us a call, 7 calls a layer (~0.9 ms of an 11 ms batch-1
@@ -251,10 +263,41 @@ class CausalLM(nn.Module):
         assert residual is not None
         return x + residual
 
+    def layer_stack(self, kv_cache: PagedKVCache) -> torch.ScriptObject | None:
+        """The C++ stack of this model's layers over ``kv_cache`` (``cpu_kernels.layer_stack``),
+        made on first use: on the CPU's invariant path (``InvariantCpuLayerOps`` and
+        ``InvariantCpuAttention``), without tensor parallelism (its all-reduce is
+        Python's), with the CPU kernels' linears. None elsewhere: the layers run
+        one op at a time. One forward of 30 layers is ~270 op calls from Python
+        otherwise, ~1 ms of a one-sequence decode step on a 2-core CPU."""
+        if self._stack is not None and self._stack[0]() is kv_cache:
+            return self._stack[1]
+        stack = None
+        layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
+        if (isinstance(self.ops, InvariantCpuLayerOps) and isinstance(self.backend, InvariantCpuAttention)
+                and all(layer.self_attn.reduce is no_reduce and layer.mlp.reduce is no_reduce for layer in layers)):
+            from jitney.worker import cpu_kernels
+
+            attn = layers[0].self_attn
+            stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, [
+                (layer.input_layernorm.weight, layer.input_layernorm.eps, layer.post_attention_layernorm.weight,
+                 layer.post_attention_layernorm.eps, *kv_cache.layer(i),
+                 [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj])
+                for i, layer in enumerate(layers)])
+        self._stack = (weakref.ref(kv_cache), stack)
+        return stack
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``copy.deepcopy``, pickling) makes its own stack when it first runs."""
+        state = dict(self.__dict__)
+        state["_stack"] = None
+        return state
+
     def use_backend(self, backend: AttentionBackend, max_positions: int) -> None:
         """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops;
         with the CPU's invariant one, run them through its C++ kernels (``InvariantCpuLayerOps``)."""
         self.backend = backend
+        self._stack = None
         if backend.graph_safe:
             from jitney.worker.layer_ops import TritonLayerOps
 

@@ -38,6 +38,7 @@
 
 #include "amx.h"
 #include "convert.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -836,6 +837,20 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q4, const at::Tens
 }
 
 }  // namespace
+
+// ops.h's entry points (cpu_stack.cpp calls them directly).
+namespace jitney_cpu {
+at::Tensor linear_int8_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
+                          bool out_float, bool portable) {
+  return linear_int8(x, packed, scale, bias, in_features, out_features, out_float, portable);
+}
+at::Tensor linear_int4_op(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& cv, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
+                          bool out_float, bool portable) {
+  return linear_int4(x, q4, cv, scale, bias, in_features, out_features, out_float, portable);
+}
+}  // namespace jitney_cpu
 
 TORCH_LIBRARY_FRAGMENT(jitney_cpu, m) {
   m.def("pack_int8_weight(Tensor q) -> Tensor", &pack_int8_weight);

@@ -58,6 +58,7 @@
 #include "amx.h"
 #include "convert.h"
 #include "kv_layout.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -1149,6 +1150,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats(const at::Tenso
 }
 
 }  // namespace
+
+// ops.h's entry points (cpu_stack.cpp calls them directly).
+namespace jitney_cpu {
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                     int64_t in_features, int64_t out_features, bool out_float, bool portable) {
+  return linear(x, packed, bias, in_features, out_features, out_float, portable);
+}
+at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, double scale, bool portable) {
+  return paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable);
+}
+at::Tensor silu_mul_op(const at::Tensor& gate_up) { return silu_mul(gate_up); }
+}  // namespace jitney_cpu
 
 TORCH_LIBRARY(jitney_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);

@@ -19,6 +19,7 @@
 
 #include "convert.h"
 #include "kv_layout.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -253,6 +254,19 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 }
 
 }  // namespace
+
+// ops.h's entry points (cpu_stack.cpp calls them directly).
+namespace jitney_cpu {
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm(x, weight, eps); }
+void add_rms_norm_op(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  add_rms_norm(x, residual, weight, eps);
+}
+at::Tensor rope_and_cache_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim) {
+  return rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
+}
+}  // namespace jitney_cpu
 
 TORCH_LIBRARY_FRAGMENT(jitney_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
