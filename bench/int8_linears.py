@@ -104,7 +104,8 @@ def main() -> int:
 def call_sizes(gen: torch.Generator, reps: int) -> int:
     """One row through int8 and bf16 linears: GB/s by each call's size, ~130 MB of int8 a pass."""
     k, total = 576, 130e6
-    print("| kernel | out x in | MB a call | calls a pass | ms a pass | GB/s | µs a call |\n|---|---|---|---|---|---|---|")
+    print("| kernel | out x in | MB a call | calls a pass | ms a pass | GB/s | µs a call |\n"
+          "|---|---|---|---|---|---|---|")
     for mode in ("int8", "bf16"):
         for n in (576, 3072, 49152, 230400):
             count = max(1, int(total / (n * k)) // (1 if mode == "int8" else 2))
@@ -119,8 +120,8 @@ def call_sizes(gen: torch.Generator, reps: int) -> int:
                 times.append(time.perf_counter() - started)
             med = statistics.median(times[1:])   # the first pass warms up
             size = BYTES_PER_WEIGHT[mode] * n * k
-            print(f"| {mode} | {n} x {k} | {size / 1e6:.2f} | {count} | {med * 1e3:.2f} | {size * count / med / 1e9:.1f} "
-                  f"| {med / count * 1e6:.1f} |", flush=True)
+            print(f"| {mode} | {n} x {k} | {size / 1e6:.2f} | {count} | {med * 1e3:.2f} "
+                  f"| {size * count / med / 1e9:.1f} | {med / count * 1e6:.1f} |", flush=True)
             del lins
     return 0
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -164,6 +165,26 @@ def test_two_ranks_match_one(models: list[str], two_ranks: list[dict[str, Any]],
     assert len(split["logits"]) == len(alone["logits"]) > 30
     torch.testing.assert_close(torch.tensor(split["logits"]), torch.tensor(alone["logits"]),
                                atol=LOGITS_ATOL, rtol=0)
+
+
+def test_init_group_takes_one_gpu_per_rank_under_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NCCL branch of init_group, on a CPU machine with torch's calls stood in:
+    rank r takes GPU r % count, then joins the group, with a gloo relay beside it."""
+    import torch.distributed as dist
+
+    from jitney.worker import parallel
+
+    calls: dict[str, Any] = {}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.setdefault("device", index))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("init", (backend, kw)))
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.setdefault("relay", kw["backend"]))
+    config: Any = SimpleNamespace(tp_size=4, tp_rank=3, device="cuda", dist_timeout=5, dist_init="tcp://h:1")
+    group = parallel.init_group(config)
+    assert group is not None and (group.rank, group.size, group.relay) == (3, 4, "gloo")
+    assert calls["device"] == 1
+    backend, kw = calls["init"]
+    assert backend == "nccl" and (kw["rank"], kw["world_size"], kw["init_method"]) == (3, 4, "tcp://h:1")
 
 
 def test_shards_cover_each_tensor_once() -> None:

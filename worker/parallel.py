@@ -149,8 +149,10 @@ def init_group(config: WorkerConfig) -> TensorParallelGroup | None:
     # torch.distributed.nn.functional binds ``group.WORLD`` as a default argument
     # when first imported, and transformers imports it (through fsdp) while a
     # model loads. Imported after this group exists, it would hold the group
-    # (and gloo's threads) until the interpreter exits; see ``close``.
-    import torch.distributed.nn.functional  # noqa: F401
+    # (and gloo's threads) until the interpreter exits; see ``close``. (As
+    # ``from``: ``import torch.distributed...`` would make ``torch`` a local
+    # name of this function, unbound at ``torch.cuda`` above.)
+    from torch.distributed.nn import functional  # noqa: F401
     logger.info("tensor parallelism: rank %d of %d joining %s (%s)", config.tp_rank, config.tp_size,
                 config.dist_init, backend)
     dist.init_process_group(backend, init_method=config.dist_init, rank=config.tp_rank,
