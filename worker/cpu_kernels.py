@@ -176,16 +176,16 @@ def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
     for norm1, eps1, norm2, eps2, k_cache, v_cache, linears in layers:
         stack.add_layer(norm1, eps1, norm2, eps2, k_cache, v_cache)
         for lin in linears:
-            if isinstance(lin, InvariantLinear) and not lin.out_float:
-                stack.add_linear(0, lin.packed, None, None, lin.bias, lin.in_features, lin.out_features, lin.portable)
-            elif isinstance(lin, Int8Linear) and not lin.out_float:
-                stack.add_linear(1, lin.packed, None, lin.scale, lin.bias, lin.in_features, lin.out_features,
-                                 lin.portable)
-            elif isinstance(lin, Int4Linear) and not lin.out_float:
-                stack.add_linear(2, lin.q4, lin.cv, lin.scale, lin.bias, lin.in_features, lin.out_features,
-                                 lin.portable)
-            else:
+            if not isinstance(lin, (InvariantLinear, Int8Linear, Int4Linear)) or lin.out_float:
                 return None
+            # (cpu_stack.cpp's Kind, weights, int4's group scales, int8/int4's per-channel scales)
+            if isinstance(lin, Int4Linear):
+                kind, weights, cv, channels = 2, lin.q4, lin.cv, lin.scale
+            elif isinstance(lin, Int8Linear):
+                kind, weights, cv, channels = 1, lin.packed, None, lin.scale
+            else:
+                kind, weights, cv, channels = 0, lin.packed, None, None
+            stack.add_linear(kind, weights, cv, channels, lin.bias, lin.in_features, lin.out_features, lin.portable)
     return stack
 
 

@@ -741,6 +741,9 @@ void block_update_rows(int64_t rows, const float* q, const float* kt, const floa
 // the next two into L1 instead: no gain; four or six ahead: no better.)
 constexpr int64_t kBlocksAhead = 3;
 
+// The blocks of its sequence that tokens [t0, t1) at positions pos0.. see: those up to the last token's.
+inline int64_t blocks_seen(int64_t t0, int64_t t1, int64_t pos0, int64_t bs) { return (pos0 + (t1 - t0) - 1) / bs + 1; }
+
 // The item a thread runs after this one (its first blocks are prefetched while
 // this one's last blocks compute): its sequence's table, how many blocks it
 // reads, its first kv head. blocks = 0: none.
@@ -762,7 +765,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
   const int64_t nq = (h1 - h0) * per_head;
   const int64_t last_pos = pos0 + (t1 - t0) - 1;
-  const int64_t blocks = last_pos / bs + 1;  // the sequence's blocks these tokens see
+  const int64_t blocks = blocks_seen(t0, t1, pos0, bs);
   constexpr int64_t P = kPack<scalar_t>;
   // Per-thread scratch, reused across items: the query rows, their running sums, a block as
   // float32. kt and vf need no clearing: a lane past a block's n keys is masked, never used.
@@ -902,7 +905,7 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
       NextItem after;
       if (following < count) {
         const Item& nx = items[following];
-        after = {tables + nx.seq * s.table_width, (nx.pos0 + (nx.t1 - nx.t0) - 1) / s.block_size + 1, nx.h0,
+        after = {tables + nx.seq * s.table_width, blocks_seen(nx.t0, nx.t1, nx.pos0, s.block_size), nx.h0,
                  nx.h1 - nx.h0};
       }
       if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)

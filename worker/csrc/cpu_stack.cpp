@@ -12,8 +12,8 @@
 //   x = down(silu_mul(gate_up(o)))
 //
 // From Python those are ~270 op calls a step (30 layers), each paying the
-// dispatcher's Python binding and the layer's Python around it: ~1 ms of a
-// one-sequence decode step here. The stack holds every layer's weights and
+// dispatcher's Python binding and the layer's Python around it: 1.2-1.5 ms
+// of every step on a 2-core CPU (docs/performance.md). The stack holds every layer's weights and
 // cache views from the start, and a step passes only what changes: the
 // embeddings, the rotary inputs and the attention metadata.
 //
