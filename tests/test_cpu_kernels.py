@@ -104,15 +104,20 @@ def test_bf16_linear_outputs_round_like_torch() -> None:
     assert (rounded[5].view(torch.int16) == 0x7FC0).all()   # convert.h's one quiet NaN, whatever the sign
 
 
-def test_linear_threads_split_columns_only() -> None:
-    weight = torch.randn(3000, 576).bfloat16()
-    x = torch.randn(70, 576).bfloat16()
+@pytest.mark.parametrize("columns", [3000, 960, 576])
+def test_linear_bits_do_not_depend_on_threads(columns: int) -> None:
+    """The threads split the columns, and where a layer's 64-column units do not
+    split evenly between them (47, 15 and 9 units here), the units' rows too:
+    which thread computes an output, in which block of rows, changes no bit."""
+    gen = torch.Generator().manual_seed(columns)
+    weight = torch.randn(columns, 576, generator=gen).bfloat16()
+    x = torch.randn(70, 576, generator=gen).bfloat16()
     layer = cpu_kernels.InvariantLinear(weight, None)
     with torch_threads(1):
         one = layer(x)
-    with torch_threads(2):
-        two = layer(x)
-    assert torch.equal(one, two)
+    for threads in (2, 3):
+        with torch_threads(threads):
+            assert torch.equal(layer(x), one), f"{threads} threads"
 
 
 def test_linear_float_output_keeps_the_accumulator() -> None:

@@ -66,6 +66,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -290,18 +291,25 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
   constexpr int64_t kUnitCols = TILES * 16;
   constexpr int64_t kRows = TILES == 2 ? 8 : 6;
   const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
-  const int64_t units = padded(n, kColBlock) / kColBlock * (kColBlock / kUnitCols);
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
+  const int64_t units = (n + kUnitCols - 1) / kUnitCols;  // past n, the packed layout's padding units
+  // Where the units do not split evenly between the threads (576 columns are 9
+  // units of 64), each unit's rows are cut into slices of whole row blocks so
+  // that the (unit, slice) items do: the threads then share a unit at most.
+  const int64_t threads = at::get_num_threads();
+  const int64_t slices = m > kRows && units % threads ? threads / std::gcd(units, threads) : 1;
+  const int64_t slice_rows = padded((m + slices - 1) / slices, kRows);
+  at::parallel_for(0, units * slices, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t u = i / slices, row_begin = (i % slices) * slice_rows;
+      const int64_t row_end = std::min(m, row_begin + slice_rows);
       const int64_t col0 = u * kUnitCols;
-      if (col0 >= n) continue;  // a padding unit
       const int64_t cols = std::min(kUnitCols, n - col0);
       const char* w = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
       const float* b = bias ? bias + col0 : nullptr;
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
         const at::BFloat16* xr = x + r0 * k;
         out_t* yr = y + r0 * n + col0;
-        switch (std::min(kRows, m - r0)) {
+        switch (std::min(kRows, row_end - r0)) {
           case 1: dp_rows<1, TILES>(xr, k, w, b, yr, n, cols); break;
           case 2: dp_rows<2, TILES>(xr, k, w, b, yr, n, cols); break;
           case 3: dp_rows<3, TILES>(xr, k, w, b, yr, n, cols); break;
