@@ -639,11 +639,31 @@ struct Bf16Block {
   }
 };
 
+// A later block's K and V runs (`lines` cache lines each) that block_update16
+// asks for into L2 a few lines at a time among its own work, rather than all
+// at once before it.
+struct SpreadPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0;
+  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const {
+    if (!k) return;
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+      _mm_prefetch(k + line * 64, _MM_HINT_T1);
+  }
+  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const {
+    if (!v) return;
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+      _mm_prefetch(v + line * 64, _MM_HINT_T1);
+  }
+};
+
 // block_update<R, 16, D> in registers: the same operations, in the same
 // order, on each lane (tested bit for bit against the scalar form).
 template <int64_t R, int64_t D, typename Block>
 inline void block_update16(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
-                           float* __restrict__ m, float* __restrict__ l, int64_t n) {
+                           float* __restrict__ m, float* __restrict__ l, int64_t n,
+                           const SpreadPrefetch& ahead = SpreadPrefetch{}) {
   static_assert(D % 64 == 0 && R >= 1 && R <= 6, "16-lane form");
   __m512 part[R][4];
   #pragma GCC unroll 16
@@ -652,6 +672,7 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
     for (int k = 0; k < 4; ++k) part[r][k] = _mm512_setzero_ps();
   #pragma GCC unroll 16
   for (int64_t i = 0; i < D; i += 4) {
+    ahead.k_part(i / 4, D / 4);
     #pragma GCC unroll 16
     for (int k = 0; k < 4; ++k) {
       __m512 krow = blk.k(i + k);
@@ -687,6 +708,7 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
       for (int64_t v = 0; v < kVec; ++v)
         a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c + 16 * v), _mm512_set1_ps(correction[r]));
     for (int64_t j = 0; j < n; ++j) {
+      ahead.v_part(c / 64 * 16 + j, D / 4);
       __m512 vj[kVec];
       #pragma GCC unroll 16
       for (int64_t v = 0; v < kVec; ++v) vj[v] = blk.v(j, c + 16 * v);
@@ -697,6 +719,7 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
         for (int64_t v = 0; v < kVec; ++v) a[r][v] = _mm512_fmadd_ps(wj, vj[v], a[r][v]);
       }
     }
+    for (int64_t j = n; j < 16; ++j) ahead.v_part(c / 64 * 16 + j, D / 4);
     #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r)
       #pragma GCC unroll 16
@@ -711,17 +734,19 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
 // reductions and exp); the scalar form takes 4. Rows never mix either way.
 #if defined(__AVX512F__)
 template <int64_t D, typename Block>
-void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t n) {
+void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t n,
+                         const SpreadPrefetch& ahead) {
   for (int64_t r0 = 0; r0 < rows; r0 += 6) {
     const float* qr = q + r0 * D;
     float* ar = acc + r0 * D;
+    const SpreadPrefetch& pf = r0 == 0 ? ahead : SpreadPrefetch{};
     switch (std::min<int64_t>(6, rows - r0)) {
-      case 6: block_update16<6, D>(qr, blk, ar, m + r0, l + r0, n); break;
-      case 5: block_update16<5, D>(qr, blk, ar, m + r0, l + r0, n); break;
-      case 4: block_update16<4, D>(qr, blk, ar, m + r0, l + r0, n); break;
-      case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, n); break;
-      case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, n); break;
-      default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, n); break;
+      case 6: block_update16<6, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 5: block_update16<5, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 4: block_update16<4, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
     }
   }
 }
@@ -803,6 +828,8 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t first = std::max(t0, t0 + blk * bs - pos0);
     const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
     for (int64_t h = h0; h < h1; ++h) {
+      constexpr bool kRegisters = BS == 16 && D > 0 && D % 64 == 0;  // the AVX-512 form below
+      [[maybe_unused]] SpreadPrefetch spread;
 #if defined(__x86_64__)
       // The next blocks lie elsewhere in the cache: ask for this head's part of them now
       // (kBlocksAhead; block blk + 3 enters the window here, the first block asks for all
@@ -820,6 +847,12 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         }
         const char* kp = reinterpret_cast<const char*>(k_cache + next);
         const char* vp = reinterpret_cast<const char*>(v_cache + next);
+#if defined(__AVX512F__)
+        if (kRegisters && ahead == kBlocksAhead) {
+          spread = SpreadPrefetch{kp, vp, run * static_cast<int64_t>(sizeof(scalar_t)) / 64};
+          break;
+        }
+#endif
         for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
           if (ahead == 1) {
             _mm_prefetch(kp + off, _MM_HINT_T0);
@@ -843,11 +876,12 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         if (whole < t1) rows_update((t1 - whole) * g, head_row + (whole - t0) * g, bs);
       };
 #if defined(__AVX512F__)
-      if constexpr (BS == 16 && D > 0 && D % 64 == 0) {
+      if constexpr (kRegisters) {
         auto rows16 = [&](const auto& block) {
           update([&](int64_t rows, int64_t row, int64_t n) {
             block_update_rows16<D>(rows, qf.data() + row * d, block, acc.data() + row * d, m.data() + row,
-                                   l.data() + row, n);
+                                   l.data() + row, n, spread);
+            spread = SpreadPrefetch{};  // asked for once
           });
         };
         if constexpr (std::is_same_v<scalar_t, float>) {
