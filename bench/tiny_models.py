@@ -78,14 +78,16 @@ def make_tiny_llama(
     max_position_embeddings: int = 256,
     rope_parameters: dict[str, Any] | None = None,
     seed: int = 0,
+    intermediate_size: int | None = None,
 ) -> Path:
-    """A random fp32 LlamaForCausalLM (GQA) with tokenizer, saved to ``path``."""
+    """A random fp32 LlamaForCausalLM (GQA) with tokenizer, saved to ``path``
+    (``intermediate_size``: default 2 * hidden_size + 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size + 16,
+        intermediate_size=intermediate_size or 2 * hidden_size + 16,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

@@ -315,6 +315,38 @@ def test_silu_mul_matches_torch_and_is_row_invariant(dtype: torch.dtype, width: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(576, 3072), (64, 256), (77, 192)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_silu_mul_gives_silu_mul_of_the_linear_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int],
+                                                                   bias: bool) -> None:
+    """gate_up and silu(gate) * up in one call (the layer stack's MLP): one pass on
+    the AVX-512 BF16 kernel where the intermediate size is a multiple of 64 (1536,
+    128 here; 96 takes the two calls), rows on both sides of its unit-width switch
+    and row-block edges, 1-3 threads (the units' row slices), and the portable loops."""
+    k, n = shape
+    gen = torch.Generator().manual_seed(k + n)
+    layer = cpu_kernels.InvariantLinear((torch.randn(n, k, generator=gen) * 0.05).to(dtype),
+                                        torch.randn(n, generator=gen).to(dtype) if bias else None)
+    x = torch.randn(140, k, generator=gen).to(dtype)
+    x[3, 5] = float("nan")   # a NaN row: silu_mul's NaN rule
+    x[4] *= 300              # large gates: exp's underflow clamp
+    fused = torch.ops.jitney_cpu.linear_silu_mul
+    for portable in (False, True):
+        args = (layer.packed, layer.bias, layer.in_features, layer.out_features)
+        for rows in (1, 3, 8, 9, 16, 33, 140):
+            expected = cpu_kernels.silu_mul(torch.ops.jitney_cpu.linear(x[:rows], *args, False, portable))
+            for threads in (1, 2, 3):
+                with torch_threads(threads):
+                    got = fused(x[:rows], *args, portable)
+                assert got.dtype == dtype and got.shape == (rows, n // 2)
+                assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                   expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
+                    (portable, rows, threads)
+    with pytest.raises(RuntimeError, match="2 \\* intermediate"):
+        fused(x[:2], layer.packed, None, k, n - 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 576])
 def test_torch_ops_of_the_cpu_path_are_row_invariant(dtype: torch.dtype, hidden: int) -> None:
     """RMSNorm (and its residual add), rotary inputs and rotation, the

@@ -22,7 +22,9 @@ from tests.test_tensor_parallel import scenario
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("stack")
-    return {"llama": str(make_tiny_llama(root / "llama")), "qwen2": str(make_tiny_qwen2(root / "qwen2"))}
+    return {"llama": str(make_tiny_llama(root / "llama")), "qwen2": str(make_tiny_qwen2(root / "qwen2")),
+            # an intermediate size of 128: bf16's gate_up and SiLU in one pass (linear_silu_mul)
+            "llama-mlp128": str(make_tiny_llama(root / "llama-mlp128", intermediate_size=128, seed=2))}
 
 
 def _runner(model: str, dtype: str, quantization: str, *, stack: bool) -> ModelRunner:
@@ -33,9 +35,11 @@ def _runner(model: str, dtype: str, quantization: str, *, stack: bool) -> ModelR
     return runner
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "none"), ("float32", "none"),
-                                                     ("bfloat16", "int8"), ("bfloat16", "int4")])
+@pytest.mark.parametrize(("model", "dtype", "quantization"), [
+    *((model, dtype, quantization) for model in ("llama", "qwen2")
+      for dtype, quantization in (("bfloat16", "none"), ("float32", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))),
+    ("llama-mlp128", "bfloat16", "none"),
+])
 def test_the_stack_gives_the_layers_bits(models: dict[str, str], model: str, dtype: str, quantization: str) -> None:
     with_stack = _runner(models[model], dtype, quantization, stack=True)
     assert with_stack.model.layer_stack(with_stack.cache) is not None    # the stack is what runs

@@ -250,9 +250,9 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
 // 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
-template <int R, int TILES, typename out_t>
-inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
-                    int64_t cols) {
+// The float32 sums of R rows x TILES tiles: row r's at sums + r * TILES * 16.
+template <int R, int TILES>
+inline void dp_sums(const at::BFloat16* x, int64_t k, const char* w, float* sums) {
   __m512 acc[R][TILES];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -278,11 +278,16 @@ inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float
     for (int r = 0; r < R; ++r) pairs[r] = x[r * k + k - 1].x;  // little-endian: (value, 0)
     step(full, pairs);
   }
-  alignas(64) float row[TILES * 16];
-  for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < TILES; ++t) _mm512_store_ps(row + 16 * t, acc[r][t]);
-    store_row(row, bias, y + r * n, cols);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TILES; ++t) _mm512_store_ps(sums + (r * TILES + t) * 16, acc[r][t]);
+}
+
+template <int R, int TILES, typename out_t>
+inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
+                    int64_t cols) {
+  alignas(64) float sums[R * TILES * 16];
+  dp_sums<R, TILES>(x, k, w, sums);
+  for (int r = 0; r < R; ++r) store_row(sums + r * TILES * 16, bias, y + r * n, cols);
 }
 
 template <int TILES, typename out_t>
@@ -421,17 +426,22 @@ void linear_bf16(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16
 
 // x (M, K) -> (M, out_features); float32 output when out_float, else x's dtype.
 // ``portable``: bf16 through the plain loops, whatever the CPU has.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                  int64_t in_features, int64_t out_features, bool out_float, bool portable) {
+void check_linear_args(const at::Tensor& x, const at::Tensor& packed, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D (rows, in_features)");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the packed weight differ in dtype");
-  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  const int64_t k = x.size(1), n = out_features;
   TORCH_CHECK(k == in_features, "x has ", k, " features, the layer takes in_features ", in_features);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t blocks = (n + kColBlock - 1) / kColBlock;
-  const int64_t kp = bf16 ? padded(k, kAmxChunk) : k;
+  const int64_t kp = x.scalar_type() == at::kBFloat16 ? padded(k, kAmxChunk) : k;
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == blocks && packed.size(1) == kp * kColBlock,
               "packed weight does not match in_features ", k, " and out_features ", n);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t in_features, int64_t out_features, bool out_float, bool portable) {
+  check_linear_args(x, packed, in_features, out_features);
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor xc = x.contiguous();
   const at::Tensor b = jitney_cpu::float_bias(bias, n);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -1077,6 +1087,121 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // ---------------------------------------------------------------------------
+// gate_up and silu(gate) * up in one pass (the MLP's first half)
+// ---------------------------------------------------------------------------
+
+#if defined(JITNEY_AVX512_BF16)
+// to_float(from_float<bf16>(v)) on 16 lanes: the same bits.
+__attribute__((always_inline)) inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+
+// 16 outputs of silu_mul over linear()'s outputs: g and u are a gate and an up
+// column's float32 sums (bias added), rounded to bf16 as linear() stores them,
+// then silu_mul_rows' operations in its order (exp_nonpositive16, an IEEE
+// division, the same roundings).
+__attribute__((always_inline)) inline void silu_mul_store16(__m512 g_sum, __m512 u_sum, at::BFloat16* dst) {
+  const __m512 g = round_bf16(g_sum), u = round_bf16(u_sum);
+  const __mmask16 nonneg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 neg_g = _mm512_castsi512_ps(  // -g: the sign flipped, as the loop's unary minus
+      _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+  const __m512 e = exp_nonpositive16(_mm512_mask_blend_ps(nonneg, g, neg_g));
+  const __m512 top = _mm512_mask_blend_ps(nonneg, _mm512_mul_ps(g, e), g);
+  const __m512 silu = _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  jitney_cpu::store16(dst, _mm512_mul_ps(round_bf16(silu), u));
+}
+
+// linear_dp_units over a gate_up weight of 2 * half columns, each item a gate
+// unit and the up unit `half` columns on, whose sums (dp_sums: linear_dp's
+// arithmetic) meet in silu_mul_store16 instead of in memory: the (M, 2 half)
+// output and silu_mul's pass over it are never made. half: a multiple of the
+// unit width.
+template <int TILES>
+void linear_dp_silu_mul_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed,
+                              const float* bias, at::BFloat16* y, int64_t half) {
+  constexpr int64_t kUnitCols = TILES * 16;
+  constexpr int64_t kRows = TILES == 2 ? 8 : 6;
+  const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
+  const int64_t pairs = half / kUnitCols;
+  const int64_t threads = at::get_num_threads();
+  const int64_t slices = m > kRows && pairs % threads ? threads / std::gcd(pairs, threads) : 1;
+  const int64_t slice_rows = padded((m + slices - 1) / slices, kRows);
+  at::parallel_for(0, pairs * slices, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float gate[kRows * kUnitCols], up[kRows * kUnitCols];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t unit = i / slices, row_begin = (i % slices) * slice_rows;
+      const int64_t row_end = std::min(m, row_begin + slice_rows);
+      const char* wg = jitney_cpu::unit_weights<TILES>(packed, unit, chunks);
+      const char* wu = jitney_cpu::unit_weights<TILES>(packed, unit + pairs, chunks);
+      const float* bg = bias ? bias + unit * kUnitCols : nullptr;
+      const float* bu = bias ? bias + half + unit * kUnitCols : nullptr;
+      for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
+        const at::BFloat16* xr = x + r0 * k;
+        const int64_t rows = std::min(kRows, row_end - r0);
+        switch (rows) {
+#define JITNEY_SILU_ROWS(R) dp_sums<R, TILES>(xr, k, wg, gate); dp_sums<R, TILES>(xr, k, wu, up); break
+          case 1: JITNEY_SILU_ROWS(1);
+          case 2: JITNEY_SILU_ROWS(2);
+          case 3: JITNEY_SILU_ROWS(3);
+          case 4: JITNEY_SILU_ROWS(4);
+          case 5: JITNEY_SILU_ROWS(5);
+          case 6: JITNEY_SILU_ROWS(6);
+          case 7: if constexpr (kRows >= 7) { JITNEY_SILU_ROWS(7); } break;
+          default: if constexpr (kRows >= 8) { JITNEY_SILU_ROWS(8); } break;
+#undef JITNEY_SILU_ROWS
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          at::BFloat16* dst = y + (r0 + r) * half + unit * kUnitCols;
+          for (int64_t t = 0; t < TILES; ++t) {
+            __m512 g = _mm512_load_ps(gate + (r * TILES + t) * 16), u = _mm512_load_ps(up + (r * TILES + t) * 16);
+            if (bg) {
+              g = _mm512_add_ps(g, _mm512_loadu_ps(bg + 16 * t));
+              u = _mm512_add_ps(u, _mm512_loadu_ps(bu + 16 * t));
+            }
+            silu_mul_store16(g, u, dst + 16 * t);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// silu_mul(linear(x)) for a gate_up layer (out_features = 2 * intermediate),
+// the same bits: in one pass on the AVX-512 BF16 kernel where the
+// intermediate size is a multiple of 64, else as those two calls.
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t in_features, int64_t out_features, bool portable) {
+  TORCH_CHECK(out_features % 2 == 0, "linear_silu_mul: out_features must be 2 * intermediate, got ", out_features);
+  check_linear_args(x, packed, in_features, out_features);
+  const int64_t half = out_features / 2;
+#if defined(JITNEY_AVX512_BF16)
+  if (x.scalar_type() == at::kBFloat16 && bf16_kernel(portable) == Bf16Kernel::kDp && half % 64 == 0) {
+    const int64_t m = x.size(0), k = x.size(1);
+    at::Tensor xc = x.contiguous();
+    const at::Tensor b = jitney_cpu::float_bias(bias, out_features);
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    at::Tensor y = at::empty({m, half}, x.options());
+    if (m == 0) return y;
+    const auto* xp = xc.data_ptr<at::BFloat16>();
+    const auto* wp = packed.data_ptr<at::BFloat16>();
+    if (m <= 8) {
+      linear_dp_silu_mul_units<2>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
+    } else {
+      linear_dp_silu_mul_units<4>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
+    }
+    return y;
+  }
+#endif
+  return silu_mul(linear(x, packed, bias, in_features, out_features, false, portable));
+}
+
+// ---------------------------------------------------------------------------
 // a row's softmax statistics, for sampling
 // ---------------------------------------------------------------------------
 
@@ -1208,6 +1333,10 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
   return paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable);
 }
 at::Tensor silu_mul_op(const at::Tensor& gate_up) { return silu_mul(gate_up); }
+at::Tensor linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t in_features, int64_t out_features, bool portable) {
+  return linear_silu_mul(x, packed, bias, in_features, out_features, portable);
+}
 }  // namespace jitney_cpu
 
 TORCH_LIBRARY(jitney_cpu, m) {
@@ -1219,5 +1348,7 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, bool portable=False) -> Tensor", &paged_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features, "
+        "bool portable=False) -> Tensor", &linear_silu_mul);
   m.def("row_softmax_stats(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)", &row_softmax_stats);
 }

@@ -17,6 +17,8 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, bool portable);
 at::Tensor silu_mul_op(const at::Tensor& gate_up);
+at::Tensor linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t in_features, int64_t out_features, bool portable);
 
 // cpu_int8.cpp
 at::Tensor linear_int8_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
