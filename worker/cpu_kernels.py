@@ -21,6 +21,8 @@ The operations, registered as ``torch.ops.jitney_cpu``:
 - ``silu_mul``: torch's float32 SiLU rounds a vector's tail differently
   from its body, so a row's bits could depend on where it falls; this runs
   the same operations on every element.
+- ``linear_silu_mul``: ``silu_mul(linear(x))`` of a gate_up layer, the same
+  bits, in one pass on the AVX-512 BF16 kernel (the layer stack calls it).
 - ``linear_int8`` (``csrc/cpu_int8.cpp``, ``--quantization int8``): int8
   weights with per-channel scales; the activations enter as two int8 limbs
   per row and every sum is an exact integer (AMX-INT8 where the CPU has it),

@@ -9,8 +9,9 @@
 // position), never on how many rows share the call, where the row sits in it,
 // how the rows are split among threads, or on padding.
 //
-//   linear            y = x W^T (+ b): threads split output columns only,
-//                     never K. bf16 weights are packed once in amx.h's tile
+//   linear            y = x W^T (+ b): threads split output columns (and,
+//                     where a layer's units do not split evenly, a unit's
+//                     rows), never K. bf16 weights are packed once in amx.h's tile
 //                     layout, read by one of three kernels, picked per
 //                     process by the CPU: AMX-BF16 (tdpbf16ps; every output
 //                     the sum of its K chunks of 32 in order, see
@@ -38,9 +39,14 @@
 //                     tests compare the bits), and the next block of a
 //                     sequence is prefetched while one computes: blocks lie
 //                     anywhere in the cache, out of the hardware's sight.
+//                     (The block three on is asked for a few lines at a
+//                     time among the work: SpreadPrefetch.)
 //                     The cache has this kernel's own layout (kv_layout.h):
 //                     each kv head of a block one contiguous run, K with
 //                     its keys in 32-bit lanes, so it is read untransposed.
+//   linear_silu_mul   silu_mul(linear(x)) for a gate_up layer, the same bits;
+//                     one pass on the AVX-512 BF16 kernel (gate and up sums
+//                     meet in registers), else those two calls.
 //
 // Compiled with -ffp-contract=off: every multiply-add is written out (fmaf
 // where it is wanted), so two inlined copies of the same code cannot round
