@@ -35,9 +35,11 @@ def _runner(model: str, dtype: str, quantization: str, *, stack: bool) -> ModelR
     return runner
 
 
+KINDS = (("bfloat16", "none"), ("float32", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))
+
+
 @pytest.mark.parametrize(("model", "dtype", "quantization"), [
-    *((model, dtype, quantization) for model in ("llama", "qwen2")
-      for dtype, quantization in (("bfloat16", "none"), ("float32", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))),
+    *((model, dtype, quantization) for model in ("llama", "qwen2") for dtype, quantization in KINDS),
     ("llama-mlp128", "bfloat16", "none"),
 ])
 def test_the_stack_gives_the_layers_bits(models: dict[str, str], model: str, dtype: str, quantization: str) -> None:
