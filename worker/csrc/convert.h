@@ -37,12 +37,19 @@ template <> inline at::BFloat16 from_float<at::BFloat16>(float f) {
 // from_float on 16 lanes, stored to dst: the same rounding bits (to nearest
 // even, any NaN -> 0x7FC0), or the floats as they are.
 inline void store16(float* dst, __m512 v, __mmask16 lanes = 0xFFFF) { _mm512_mask_storeu_ps(dst, lanes, v); }
-inline void store16(at::BFloat16* dst, __m512 v, __mmask16 lanes = 0xFFFF) {
+// to_float(from_float<bfloat16>(v)) on 16 lanes: the same bits (each lane's
+// bfloat16 in its high half, the low half zero).
+inline __m512 round16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(dst, lanes, _mm512_cvtepi32_epi16(r));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+inline void store16(at::BFloat16* dst, __m512 v, __mmask16 lanes = 0xFFFF) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round16(v)), 16);
+  _mm256_mask_storeu_epi16(dst, lanes, _mm512_cvtepi32_epi16(high));
 }
 #endif
 

@@ -296,40 +296,58 @@ inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float
   for (int r = 0; r < R; ++r) store_row(sums + r * TILES * 16, bias, y + r * n, cols);
 }
 
+// The (unit, row slice) work items of a call of m rows over `units` column
+// units: one item a unit, or, where the units do not split evenly between the
+// threads (576 columns are 9 units of 64), each unit's rows cut into slices of
+// whole blocks of block_rows so that the items do (the threads then share a
+// unit at most). A row's outputs do not depend on its block of rows.
+struct UnitItems {
+  int64_t m, slices = 1, slice_rows = 0, count = 0;
+  UnitItems(int64_t units, int64_t rows, int64_t block_rows) : m(rows) {
+    const int64_t threads = at::get_num_threads();
+    if (m > block_rows && units % threads) slices = threads / std::gcd(units, threads);
+    slice_rows = padded((m + slices - 1) / slices, block_rows);
+    count = units * slices;
+  }
+  int64_t unit(int64_t i) const { return i / slices; }
+  int64_t row_begin(int64_t i) const { return i % slices * slice_rows; }
+  int64_t row_end(int64_t i) const { return std::min(m, row_begin(i) + slice_rows); }
+};
+
+// f(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= kMax (<= 8): a
+// compile-time row count for dp_sums and dp_rows.
+template <int kMax, typename F>
+__attribute__((always_inline)) inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: if constexpr (kMax >= 7) f(std::integral_constant<int, 7>{}); break;
+    default: if constexpr (kMax >= 8) f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <int TILES, typename out_t>
 void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
                      out_t* y, int64_t n) {
   constexpr int64_t kUnitCols = TILES * 16;
   constexpr int64_t kRows = TILES == 2 ? 8 : 6;
   const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
-  const int64_t units = (n + kUnitCols - 1) / kUnitCols;  // past n, the packed layout's padding units
-  // Where the units do not split evenly between the threads (576 columns are 9
-  // units of 64), each unit's rows are cut into slices of whole row blocks so
-  // that the (unit, slice) items do: the threads then share a unit at most.
-  const int64_t threads = at::get_num_threads();
-  const int64_t slices = m > kRows && units % threads ? threads / std::gcd(units, threads) : 1;
-  const int64_t slice_rows = padded((m + slices - 1) / slices, kRows);
-  at::parallel_for(0, units * slices, 1, [&](int64_t i0, int64_t i1) {
+  const UnitItems items((n + kUnitCols - 1) / kUnitCols, m, kRows);  // (units past n: the layout's padding)
+  at::parallel_for(0, items.count, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t u = i / slices, row_begin = (i % slices) * slice_rows;
-      const int64_t row_end = std::min(m, row_begin + slice_rows);
+      const int64_t u = items.unit(i), row_end = items.row_end(i);
       const int64_t col0 = u * kUnitCols;
       const int64_t cols = std::min(kUnitCols, n - col0);
       const char* w = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
       const float* b = bias ? bias + col0 : nullptr;
-      for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
-        const at::BFloat16* xr = x + r0 * k;
-        out_t* yr = y + r0 * n + col0;
-        switch (std::min(kRows, row_end - r0)) {
-          case 1: dp_rows<1, TILES>(xr, k, w, b, yr, n, cols); break;
-          case 2: dp_rows<2, TILES>(xr, k, w, b, yr, n, cols); break;
-          case 3: dp_rows<3, TILES>(xr, k, w, b, yr, n, cols); break;
-          case 4: dp_rows<4, TILES>(xr, k, w, b, yr, n, cols); break;
-          case 5: dp_rows<5, TILES>(xr, k, w, b, yr, n, cols); break;
-          case 6: dp_rows<6, TILES>(xr, k, w, b, yr, n, cols); break;
-          case 7: if constexpr (kRows >= 7) dp_rows<7, TILES>(xr, k, w, b, yr, n, cols); break;
-          default: if constexpr (kRows >= 8) dp_rows<8, TILES>(xr, k, w, b, yr, n, cols); break;
-        }
+      for (int64_t r0 = items.row_begin(i); r0 < row_end; r0 += kRows) {
+        with_rows<kRows>(std::min(kRows, row_end - r0), [&](auto R) {
+          dp_rows<R, TILES>(x + r0 * k, k, w, b, y + r0 * n + col0, n, cols);
+        });
       }
     }
   });
@@ -662,15 +680,15 @@ struct SpreadPrefetch {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t lines = 0;
-  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const {
-    if (!k) return;
+  // Part `part` of `parts` of K's lines, or of V's.
+  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const { ask(k, part, parts); }
+  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const { ask(v, part, parts); }
+
+ private:
+  __attribute__((always_inline)) void ask(const char* run, int64_t part, int64_t parts) const {
+    if (!run) return;
     for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
-      _mm_prefetch(k + line * 64, _MM_HINT_T1);
-  }
-  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const {
-    if (!v) return;
-    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
-      _mm_prefetch(v + line * 64, _MM_HINT_T1);
+      _mm_prefetch(run + line * 64, _MM_HINT_T1);
   }
 };
 
@@ -1097,29 +1115,19 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // ---------------------------------------------------------------------------
 
 #if defined(JITNEY_AVX512_BF16)
-// to_float(from_float<bf16>(v)) on 16 lanes: the same bits.
-__attribute__((always_inline)) inline __m512 round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(r);
-}
-
 // 16 outputs of silu_mul over linear()'s outputs: g and u are a gate and an up
 // column's float32 sums (bias added), rounded to bf16 as linear() stores them,
 // then silu_mul_rows' operations in its order (exp_nonpositive16, an IEEE
 // division, the same roundings).
 __attribute__((always_inline)) inline void silu_mul_store16(__m512 g_sum, __m512 u_sum, at::BFloat16* dst) {
-  const __m512 g = round_bf16(g_sum), u = round_bf16(u_sum);
+  const __m512 g = jitney_cpu::round16(g_sum), u = jitney_cpu::round16(u_sum);
   const __mmask16 nonneg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
   const __m512 neg_g = _mm512_castsi512_ps(  // -g: the sign flipped, as the loop's unary minus
       _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
   const __m512 e = exp_nonpositive16(_mm512_mask_blend_ps(nonneg, g, neg_g));
   const __m512 top = _mm512_mask_blend_ps(nonneg, _mm512_mul_ps(g, e), g);
   const __m512 silu = _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-  jitney_cpu::store16(dst, _mm512_mul_ps(round_bf16(silu), u));
+  jitney_cpu::store16(dst, _mm512_mul_ps(jitney_cpu::round16(silu), u));
 }
 
 // linear_dp_units over a gate_up weight of 2 * half columns, each item a gate
@@ -1134,14 +1142,11 @@ void linear_dp_silu_mul_units(const at::BFloat16* x, int64_t m, int64_t k, const
   constexpr int64_t kRows = TILES == 2 ? 8 : 6;
   const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
   const int64_t pairs = half / kUnitCols;
-  const int64_t threads = at::get_num_threads();
-  const int64_t slices = m > kRows && pairs % threads ? threads / std::gcd(pairs, threads) : 1;
-  const int64_t slice_rows = padded((m + slices - 1) / slices, kRows);
-  at::parallel_for(0, pairs * slices, 1, [&](int64_t i0, int64_t i1) {
+  const UnitItems items(pairs, m, kRows);
+  at::parallel_for(0, items.count, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float gate[kRows * kUnitCols], up[kRows * kUnitCols];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t unit = i / slices, row_begin = (i % slices) * slice_rows;
-      const int64_t row_end = std::min(m, row_begin + slice_rows);
+      const int64_t unit = items.unit(i), row_begin = items.row_begin(i), row_end = items.row_end(i);
       const char* wg = jitney_cpu::unit_weights<TILES>(packed, unit, chunks);
       const char* wu = jitney_cpu::unit_weights<TILES>(packed, unit + pairs, chunks);
       const float* bg = bias ? bias + unit * kUnitCols : nullptr;
@@ -1149,18 +1154,10 @@ void linear_dp_silu_mul_units(const at::BFloat16* x, int64_t m, int64_t k, const
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
         const at::BFloat16* xr = x + r0 * k;
         const int64_t rows = std::min(kRows, row_end - r0);
-        switch (rows) {
-#define JITNEY_SILU_ROWS(R) dp_sums<R, TILES>(xr, k, wg, gate); dp_sums<R, TILES>(xr, k, wu, up); break
-          case 1: JITNEY_SILU_ROWS(1);
-          case 2: JITNEY_SILU_ROWS(2);
-          case 3: JITNEY_SILU_ROWS(3);
-          case 4: JITNEY_SILU_ROWS(4);
-          case 5: JITNEY_SILU_ROWS(5);
-          case 6: JITNEY_SILU_ROWS(6);
-          case 7: if constexpr (kRows >= 7) { JITNEY_SILU_ROWS(7); } break;
-          default: if constexpr (kRows >= 8) { JITNEY_SILU_ROWS(8); } break;
-#undef JITNEY_SILU_ROWS
-        }
+        with_rows<kRows>(rows, [&](auto R) {
+          dp_sums<R, TILES>(xr, k, wg, gate);
+          dp_sums<R, TILES>(xr, k, wu, up);
+        });
         for (int64_t r = 0; r < rows; ++r) {
           at::BFloat16* dst = y + (r0 + r) * half + unit * kUnitCols;
           for (int64_t t = 0; t < TILES; ++t) {
