@@ -353,12 +353,21 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
   });
 }
 
-// Units of 32 columns for up to 8 rows (one pass over the weights; twice the
-// units to split small layers between threads), of 64 for more.
+// Whether m rows over `units` 64-column units take units of 32 columns (2
+// tiles) rather than 64: up to 8 rows, one pass over the weights either way,
+// and twice the units split small layers between threads; but from 3 rows to
+// 6, where the 64-column units split evenly, 64 (each broadcast of x feeds
+// twice the columns: bench/kernel_ab.py --linears, a pass over all the
+// model's weights, 6 rows 8.83 -> 8.12 ms, 3 and 4 rows -2%; at 1 row 64 read
+// 5% slower).
+inline bool narrow_units(int64_t m, int64_t units) {
+  return m <= 8 && !(m >= 3 && m <= 6 && units % at::get_num_threads() == 0);
+}
+
 template <typename out_t>
 void linear_dp(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias, out_t* y,
                int64_t n) {
-  if (m <= 8) {
+  if (narrow_units(m, (n + 63) / 64)) {
     linear_dp_units<2>(x, m, k, packed, bias, y, n);
   } else {
     linear_dp_units<4>(x, m, k, packed, bias, y, n);
@@ -1193,7 +1202,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const 
     if (m == 0) return y;
     const auto* xp = xc.data_ptr<at::BFloat16>();
     const auto* wp = packed.data_ptr<at::BFloat16>();
-    if (m <= 8) {
+    if (narrow_units(m, half / 64)) {
       linear_dp_silu_mul_units<2>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
     } else {
       linear_dp_silu_mul_units<4>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
