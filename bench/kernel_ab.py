@@ -10,7 +10,10 @@ kernel changes move. Here each ref's ``worker/csrc`` (a git ref, ``WORK``
 for the working tree, or a folder) is compiled as its own operator
 namespace (``torch.ops.jitney_ab0``, ``jitney_ab1``, ...: the sources'
 ``TORCH_LIBRARY(jitney_cpu`` renamed, symbols hidden) and the builds take
-turns within one process, on the same tensors:
+turns within one process, on the same tensors, each round starting from the
+next build (a place in the order can cost: a script that timed the fused
+gate_up of one build in the first and the third place, without this, read
+it 8-13% slower in the first):
 
 - ``--linears ROWS``: the default model's linear shapes, 30 distinct weights
   each and the head once, every weight called once per pass so that the
@@ -94,13 +97,19 @@ def load_build(ref: str, namespace: str) -> Any:
     return getattr(torch.ops, namespace)
 
 
+def turn_order(round_: int, n: int) -> list[int]:
+    """The order of n calls in round ``round_``: from call round_ mod n, round."""
+    return [*range(round_ % n, n), *range(round_ % n)]
+
+
 def in_turns(calls: list[Callable[[], object]], rounds: int) -> list[list[float]]:
-    """Each call's wall ms per round, the calls taking turns within every round."""
+    """Each call's wall ms per round, the calls taking turns within every round, round r
+    starting from call r mod n, so that each call takes each place in the order as often."""
     times: list[list[float]] = [[] for _ in calls]
-    for _ in range(rounds):
-        for i, call in enumerate(calls):
+    for r in range(rounds):
+        for i in turn_order(r, len(calls)):
             started = time.perf_counter()
-            call()
+            calls[i]()
             times[i].append((time.perf_counter() - started) * 1000)
     return times
 
@@ -219,9 +228,9 @@ def step(builds: list[Any], refs: list[str], mode: str, batches: list[int], roun
     try:
         for batch in batches:
             times: list[list[float]] = [[] for _ in builds]
-            for _ in range(rounds):
-                for i, ops in enumerate(builds):
-                    use(ops)
+            for r in range(rounds):
+                for i in turn_order(r, len(builds)):
+                    use(builds[i])
                     times[i].append(measure(runner, batch, 200, 10)[0] * 1000)
             cells = " | ".join(f"{statistics.median(t):.2f} ({', '.join(f'{v:.1f}' for v in t)})" for t in times)
             print(f"| {batch} | {cells} |", flush=True)
