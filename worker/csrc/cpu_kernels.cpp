@@ -354,23 +354,27 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
 }
 
 // Whether m rows over `units` 64-column units take units of 32 columns (2
-// tiles, blocks of 8 rows) rather than 64 (4 tiles, blocks of 6 rows).
-// bench/kernel_ab.py --linears, a pass over all the model's weights:
-// - up to 8 rows, 32: one pass over the weights either way, and twice the
-//   units split small layers between threads; but from 3 rows to 6, where the
-//   64-column units split evenly, 64 (each broadcast of x feeds twice the
-//   columns: 6 rows 8.83 -> 8.12 ms, 3 and 4 rows -2%; at 1 row 64 read 5%
-//   slower);
-// - past 8 rows, whichever makes fewer passes over a unit's weights, 64 where
-//   both make as many: per pass, a 32-column unit's 8 rows read 8 bytes of
-//   weights from L2 a multiply-add, a 64-column unit's 6 rows 10.7 (13 rows
-//   -9%, 16 and 24 rows -1.3 to -4%, 32 rows -3 to -4%, 64 rows -2%, 512 rows
-//   -1.3 to -3.9%, in either order; 9 rows in 8 + 1 rather than 6 + 3: 8%
-//   slower). Not the fused gate_up (linear_silu_mul), where 32 read 2-3%
-//   slower past 8 rows.
+// tiles, blocks of 8 rows) rather than 64 (4 tiles, blocks of 6 rows), up to
+// 8 rows: 32, one pass over the weights either way and twice the units to
+// split small layers between threads; but from 3 rows to 6, where the
+// 64-column units split evenly, 64: each broadcast of x feeds twice the
+// columns (bench/kernel_ab.py --linears, a pass over all the model's
+// weights: 3 rows -1 to -2%, 5 rows -4 to -6%; at 1 row 64 read 5% slower).
+// linear_silu_mul's choice at any row count: past 8 rows 64 (32 read 2-3%
+// slower there).
+inline bool narrow_units_up_to_8_rows(int64_t m, int64_t units) {
+  return m <= 8 && !(m >= 3 && m <= 6 && units % at::get_num_threads() == 0);
+}
+
+// linear()'s choice: as above up to 8 rows; past 8, whichever width makes
+// fewer passes over a unit's weights, 64 where both make as many. Per pass a
+// 32-column unit's 8 rows read 8 bytes of weights from L2 a multiply-add, a
+// 64-column unit's 6 rows 10.7 (kernel_ab.py --linears, in either order of
+// the builds: 13 rows -9%, 16 and 24 rows -1.3 to -4%, 32 rows -3 to -4%, 64
+// rows -2%, 512 rows -1.3 to -3.9%; 9 rows in 8 + 1 rather than 6 + 3: 8%
+// slower).
 inline bool narrow_units(int64_t m, int64_t units) {
-  if (m > 8) return (m + 7) / 8 < (m + 5) / 6;
-  return !(m >= 3 && m <= 6 && units % at::get_num_threads() == 0);
+  return m > 8 ? (m + 7) / 8 < (m + 5) / 6 : narrow_units_up_to_8_rows(m, units);
 }
 
 template <typename out_t>
@@ -1211,7 +1215,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const 
     if (m == 0) return y;
     const auto* xp = xc.data_ptr<at::BFloat16>();
     const auto* wp = packed.data_ptr<at::BFloat16>();
-    if (m <= 8 && narrow_units(m, half / 64)) {  // past 8 rows 64 (32 read 2-3% slower here)
+    if (narrow_units_up_to_8_rows(m, half / 64)) {
       linear_dp_silu_mul_units<2>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
     } else {
       linear_dp_silu_mul_units<4>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
