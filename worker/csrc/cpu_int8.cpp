@@ -134,7 +134,7 @@ void make_limbs(const scalar_t* x, int64_t m, int64_t k, int64_t kp, int8_t* lim
         finite = finite && std::isfinite(v[i]);
         amax = std::max(amax, std::fabs(v[i]));
       }
-      if (!finite) {  // the row's outputs are NaN, as a float matmul's would be (limbs stay 0)
+      if (!finite) {  // the row's outputs are NaN, as a float matmul's would be (its limbs are left as they were)
         sx[r] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
@@ -321,6 +321,18 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
 // small layers split evenly between the threads.
 constexpr int64_t kVnniRowStep = 4;
 
+// The sum of n (a multiple of 64) signed bytes: vpsadbw on a ^ 0x80 (a + 128
+// as unsigned bytes) sums them 8 at a time, less 128 n. It runs on the calling
+// thread before the parallel loop, 2 m rows of Kp a call.
+inline int32_t sum_bytes(const int8_t* a, int64_t n) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 64)
+    acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(a + i), flip),
+                                                 _mm512_setzero_si512()));
+  return static_cast<int32_t>(_mm512_reduce_add_epi64(acc) - 128 * n);
+}
+
 template <int R, typename out_t>
 inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr, const float* sx, const char* w,
                            const float* sw, const float* bias, out_t* y, int64_t n, int64_t cols) {
@@ -362,15 +374,21 @@ void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t k
                       const float* sw, const float* bias, out_t* y, int64_t n) {
   const int64_t chunks = kp / kChunk, units = padded(n, kCols) / kCols * 2;
   // 128 * each row's limb sums over K: corr[2 r + limb].
-  std::vector<int32_t> corr(2 * m);
+  thread_local std::vector<int32_t> corr;
+  corr.resize(2 * m);
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t limb = 0; limb < 2; ++limb) {
-      const int8_t* a = limb_row(limbs, r, kp) + limb * kRowsPerBlock * kp;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kp; ++i) sum += a[i];
-      corr[2 * r + limb] = 128 * sum;
-    }
+    for (int64_t limb = 0; limb < 2; ++limb)
+      corr[2 * r + limb] = 128 * sum_bytes(limb_row(limbs, r, kp) + limb * kRowsPerBlock * kp, kp);
+  const int32_t* const row_corr = corr.data();  // (a thread_local: the threads below would see their own)
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    // The loop below fetches kStreamAhead chunks ahead: a call's first units' first chunks
+    // are asked for here, at once, rather than line by line as they are read.
+    for (int64_t u = u0; u < std::min(u1, u0 + 2); ++u) {
+      const char* w = jitney_cpu::unit_weights<2>(packed, u, chunks);
+      for (int64_t c = 0; c < std::min<int64_t>(chunks, jitney_cpu::kStreamAhead); ++c)
+        for (int64_t line = 0; line < 2 * kTileBytes; line += 64)
+          _mm_prefetch(w + c * jitney_cpu::kChunkBytes + line, _MM_HINT_T1);
+    }
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t col0 = u * 32;
       if (col0 >= n) continue;  // a padding unit
@@ -378,7 +396,7 @@ void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t k
       const char* w = jitney_cpu::unit_weights<2>(packed, u, chunks);
       for (int64_t r0 = 0; r0 < m; r0 += kVnniRowStep) {  // never across a block of 8 rows
         const int8_t* a = limb_row(limbs, r0, kp);
-        const int32_t* c = corr.data() + 2 * r0;
+        const int32_t* c = row_corr + 2 * r0;
         const float* b = bias ? bias + col0 : nullptr;
         out_t* dst = y + r0 * n + col0;
         switch (std::min(kVnniRowStep, m - r0)) {
@@ -670,12 +688,32 @@ void run(const at::Tensor& x, int64_t kp, const Weights& w, const float* sw, con
          bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
   // The calling thread's scratch, reused: a tensor per call (zeros, then fill) cost more
-  // than a batch-1 decode's smaller layers take. Zero: missing rows and K past k.
+  // than a batch-1 decode's smaller layers take.
   thread_local std::vector<int8_t> limb_buffer;
   thread_local std::vector<float> sx;
-  limb_buffer.assign(padded(m, kRowsPerBlock) / kRowsPerBlock * 16 * kp, 0);
+  const int64_t limb_bytes = padded(m, kRowsPerBlock) / kRowsPerBlock * 16 * kp;
+  // The AMX and portable paths read whole blocks of 8 rows: missing rows and
+  // K past k must be 0. The VNNI int8 loops read the m rows only, so only
+  // their K past k is zeroed (make_limbs writes the rest): zeroing the whole
+  // buffer each call was 2.7% of a batch-1 int8 step's calling thread (perf).
+  bool rows_only = false;
+#ifdef JITNEY_INT8_VNNI
+  rows_only = w.packed && !portable;
+#ifdef JITNEY_AMX
+  rows_only = rows_only && !amx_ready();
+#endif
+#endif
+  if (rows_only) {
+    limb_buffer.resize(limb_bytes);
+  } else {
+    limb_buffer.assign(limb_bytes, 0);
+  }
   sx.resize(m);
   int8_t* limbs = limb_buffer.data();
+  if (rows_only && k < kp)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t limb = 0; limb < 2; ++limb)
+        std::memset(limb_row(limbs, r, kp) + limb * kRowsPerBlock * kp + k, 0, kp - k);
   make_limbs(x.data_ptr<scalar_t>(), m, k, kp, limbs, sx.data());
   out_t* out = y.data_ptr<out_t>();
   if (w.packed) {
