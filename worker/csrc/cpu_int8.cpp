@@ -411,16 +411,27 @@ void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t k
 }
 #endif
 
+// Whether a call on int8 weights takes the VNNI loops: built with them, not
+// asked for the portable path, and no AMX-INT8 here (which comes first).
+inline bool vnni_int8_runs(bool portable) {
+#ifdef JITNEY_INT8_VNNI
+#ifdef JITNEY_AMX
+  if (amx_ready()) return false;
+#endif
+  return !portable;
+#else
+  (void)portable;
+  return false;
+#endif
+}
+
 // Where int8 calls run: "amx" (AMX-INT8), "vnni" (AVX-512 VNNI) or "portable".
 std::string int8_path() {
+  if (vnni_int8_runs(false)) return "vnni";
 #ifdef JITNEY_AMX
   if (amx_ready()) return "amx";
 #endif
-#ifdef JITNEY_INT8_VNNI
-  return "vnni";
-#else
   return "portable";
-#endif
 }
 
 // ---- int4 weights (--quantization int4) ----------------------------------
@@ -696,36 +707,30 @@ void run(const at::Tensor& x, int64_t kp, const Weights& w, const float* sw, con
   // K past k must be 0. The VNNI int8 loops read the m rows only, so only
   // their K past k is zeroed (make_limbs writes the rest): zeroing the whole
   // buffer each call was 2.7% of a batch-1 int8 step's calling thread (perf).
-  bool rows_only = false;
-#ifdef JITNEY_INT8_VNNI
-  rows_only = w.packed && !portable;
-#ifdef JITNEY_AMX
-  rows_only = rows_only && !amx_ready();
-#endif
-#endif
-  if (rows_only) {
+  const bool vnni = w.packed && vnni_int8_runs(portable);
+  if (vnni) {
     limb_buffer.resize(limb_bytes);
   } else {
     limb_buffer.assign(limb_bytes, 0);
   }
   sx.resize(m);
   int8_t* limbs = limb_buffer.data();
-  if (rows_only && k < kp)
+  if (vnni && k < kp)
     for (int64_t r = 0; r < m; ++r)
       for (int64_t limb = 0; limb < 2; ++limb)
         std::memset(limb_row(limbs, r, kp) + limb * kRowsPerBlock * kp + k, 0, kp - k);
   make_limbs(x.data_ptr<scalar_t>(), m, k, kp, limbs, sx.data());
   out_t* out = y.data_ptr<out_t>();
   if (w.packed) {
-#ifdef JITNEY_AMX
-    if (!portable && amx_ready()) {
-      linear_amx(limbs, sx.data(), m, kp, w.packed, sw, bias, out, n);
+#ifdef JITNEY_INT8_VNNI
+    if (vnni) {
+      linear_vnni_int8(limbs, sx.data(), m, kp, w.packed, sw, bias, out, n);
       return;
     }
 #endif
-#ifdef JITNEY_INT8_VNNI
-    if (!portable) {
-      linear_vnni_int8(limbs, sx.data(), m, kp, w.packed, sw, bias, out, n);
+#ifdef JITNEY_AMX
+    if (!portable && amx_ready()) {
+      linear_amx(limbs, sx.data(), m, kp, w.packed, sw, bias, out, n);
       return;
     }
 #endif
