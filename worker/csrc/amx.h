@@ -13,6 +13,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #if defined(__AMX_TILE__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -70,6 +74,26 @@ template <int TILES>
 inline const char* unit_weights(const void* packed, int64_t u, int64_t chunks) {
   constexpr int64_t kPerBlock = 4 / TILES;
   return static_cast<const char*>(packed) + (u / kPerBlock) * chunks * kChunkBytes + (u % kPerBlock) * TILES * kTileBytes;
+}
+
+// Whether this CPU runs 512-bit operations at full width: AMD's Zen 5 (family
+// 26) and later; Zen 4 (family 25) splits each into two 256-bit halves. The
+// AVX-512 linears read a step's few rows faster from 64-column units there
+// (each unit's weights one run of 4 KB a K chunk, not every other 2 KB).
+inline bool full_width_zmm() {
+#if defined(__x86_64__)
+  static const bool full = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xF;
+    return (base == 0xF ? base + ((eax >> 20) & 0xFF) : base) >= 0x1A;
+  }();
+  return full;
+#else
+  return false;
+#endif
 }
 
 #if defined(__AMX_TILE__)

@@ -316,10 +316,15 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
 //   sum_k a[k] q[k] = sum_k a[k] (q[k] + 128) - 128 sum_k a[k],
 // exact in int32, hence the AMX path's and the portable loops' bits (tested).
 // Row p of a weight tile is K quad p of 16 columns: one zmm register. A call
-// of R <= 4 rows (of one block of 8) keeps R x 2 limbs x 2 tiles of sums;
-// a unit is 32 columns, so a step of few rows reads the weights once and
-// small layers split evenly between the threads.
-constexpr int64_t kVnniRowStep = 4;
+// of R rows (of one block of 8) keeps R x 2 limbs x TILES tiles of sums. A
+// unit is 32 columns (2 tiles, R <= 4), so a step of few rows reads the
+// weights once and small layers split evenly between the threads; at 1-2
+// rows on a full-width CPU (amx.h's full_width_zmm), where the 64-column
+// units split evenly, 64 (4 tiles, R <= 2): bench/kernel_ab.py --linears
+// --kind int8 on a Zen 5, 1 row -3.5 to -5%, 2 rows -1.5 to -4.5%. (64 past
+// 8 rows, 3 rows a call: 64 rows 24.7 -> 36.2 ms, not taken.)
+template <int TILES>
+constexpr int64_t kVnniRowStep = TILES == 2 ? 4 : 2;
 
 // The sum of n (a multiple of 64) signed bytes: vpsadbw on a ^ 0x80 (a + 128
 // as unsigned bytes) sums them 8 at a time, less 128 n. It runs on the calling
@@ -333,12 +338,13 @@ inline int32_t sum_bytes(const int8_t* a, int64_t n) {
   return static_cast<int32_t>(_mm512_reduce_add_epi64(acc) - 128 * n);
 }
 
-template <int R, typename out_t>
+template <int R, int TILES, typename out_t>
 inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr, const float* sx, const char* w,
                            const float* sw, const float* bias, out_t* y, int64_t n, int64_t cols) {
-  __m512i acc[R][2][2];
+  __m512i acc[R][2][TILES];
   for (int r = 0; r < R; ++r)
-    for (int limb = 0; limb < 2; ++limb) acc[r][limb][0] = acc[r][limb][1] = _mm512_setzero_si512();
+    for (int limb = 0; limb < 2; ++limb)
+      for (int t = 0; t < TILES; ++t) acc[r][limb][t] = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t quads = kp / 4;
 #pragma GCC unroll 2  // 2-4% at 8-64 rows (bench/kernel_ab.py)
@@ -346,21 +352,21 @@ inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr,
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
     // amx.h's kStreamAhead chunks ahead into L2 (2 into L1: 7.4 against 5.4 ms for a
     // batch-1 step's linears on an AMD EPYC).
-    _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes, _MM_HINT_T1);
-    _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + kTileBytes, _MM_HINT_T1);
-    const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wp), flip);
-    const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wp + kTileBytes), flip);
+    __m512i wt[TILES];
+    for (int t = 0; t < TILES; ++t) {
+      _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + t * kTileBytes, _MM_HINT_T1);
+      wt[t] = _mm512_xor_si512(_mm512_loadu_si512(wp + t * kTileBytes), flip);
+    }
     for (int r = 0; r < R; ++r)
       for (int limb = 0; limb < 2; ++limb) {
         int32_t quad;
         std::memcpy(&quad, limbs + (r + limb * kRowsPerBlock) * kp + 4 * p, 4);
         const __m512i a = _mm512_set1_epi32(quad);
-        acc[r][limb][0] = _mm512_dpbusd_epi32(acc[r][limb][0], w0, a);
-        acc[r][limb][1] = _mm512_dpbusd_epi32(acc[r][limb][1], w1, a);
+        for (int t = 0; t < TILES; ++t) acc[r][limb][t] = _mm512_dpbusd_epi32(acc[r][limb][t], wt[t], a);
       }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 2 && 16 * t < cols; ++t) {
+    for (int t = 0; t < TILES && 16 * t < cols; ++t) {
       const int64_t left = cols - 16 * t;
       const __mmask16 lanes = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
       finish16(_mm512_sub_epi32(acc[r][0][t], _mm512_set1_epi32(corr[2 * r])),
@@ -369,10 +375,11 @@ inline void vnni_int8_rows(const int8_t* limbs, int64_t kp, const int32_t* corr,
     }
 }
 
-template <typename out_t>
-void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
-                      const float* sw, const float* bias, out_t* y, int64_t n) {
-  const int64_t chunks = kp / kChunk, units = padded(n, kCols) / kCols * 2;
+template <int TILES, typename out_t>
+void linear_vnni_int8_units(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                            const float* sw, const float* bias, out_t* y, int64_t n) {
+  const int64_t chunks = kp / kChunk, units = padded(n, kCols) / kCols * (4 / TILES);
+  constexpr int64_t kStep = kVnniRowStep<TILES>;
   // 128 * each row's limb sums over K: corr[2 r + limb].
   thread_local std::vector<int32_t> corr;
   corr.resize(2 * m);
@@ -384,30 +391,44 @@ void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t k
     // The loop below fetches kStreamAhead chunks ahead: a call's first units' first chunks
     // are asked for here, at once, rather than line by line as they are read.
     for (int64_t u = u0; u < std::min(u1, u0 + 2); ++u) {
-      const char* w = jitney_cpu::unit_weights<2>(packed, u, chunks);
+      const char* w = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
       for (int64_t c = 0; c < std::min<int64_t>(chunks, jitney_cpu::kStreamAhead); ++c)
-        for (int64_t line = 0; line < 2 * kTileBytes; line += 64)
+        for (int64_t line = 0; line < TILES * kTileBytes; line += 64)
           _mm_prefetch(w + c * jitney_cpu::kChunkBytes + line, _MM_HINT_T1);
     }
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t col0 = u * 32;
+      const int64_t col0 = u * 16 * TILES;
       if (col0 >= n) continue;  // a padding unit
-      const int64_t cols = std::min<int64_t>(32, n - col0);
-      const char* w = jitney_cpu::unit_weights<2>(packed, u, chunks);
-      for (int64_t r0 = 0; r0 < m; r0 += kVnniRowStep) {  // never across a block of 8 rows
+      const int64_t cols = std::min<int64_t>(16 * TILES, n - col0);
+      const char* w = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
+      for (int64_t r0 = 0; r0 < m; r0 += kStep) {  // never across a block of 8 rows (8 is a multiple of kStep)
         const int8_t* a = limb_row(limbs, r0, kp);
         const int32_t* c = row_corr + 2 * r0;
         const float* b = bias ? bias + col0 : nullptr;
         out_t* dst = y + r0 * n + col0;
-        switch (std::min(kVnniRowStep, m - r0)) {
-          case 1: vnni_int8_rows<1>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
-          case 2: vnni_int8_rows<2>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
-          case 3: vnni_int8_rows<3>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
-          default: vnni_int8_rows<4>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+        switch (std::min(kStep, m - r0)) {
+          case 1: vnni_int8_rows<1, TILES>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+          case 2: vnni_int8_rows<2, TILES>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols); break;
+          case 3:
+            if constexpr (kStep >= 3) vnni_int8_rows<3, TILES>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols);
+            break;
+          default:
+            if constexpr (kStep >= 4) vnni_int8_rows<4, TILES>(a, kp, c, sx + r0, w, sw + col0, b, dst, n, cols);
+            break;
         }
       }
     }
   });
+}
+
+template <typename out_t>
+void linear_vnni_int8(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
+                      const float* sw, const float* bias, out_t* y, int64_t n) {
+  if (m <= 2 && jitney_cpu::full_width_zmm() && padded(n, kCols) / kCols % at::get_num_threads() == 0) {
+    linear_vnni_int8_units<4>(limbs, sx, m, kp, packed, sw, bias, y, n);
+  } else {
+    linear_vnni_int8_units<2>(limbs, sx, m, kp, packed, sw, bias, y, n);
+  }
 }
 #endif
 

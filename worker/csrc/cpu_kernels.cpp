@@ -56,7 +56,6 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 #if defined(__x86_64__)
-#include <cpuid.h>      // full_width_zmm
 #include <immintrin.h>  // the AVX-512 paths below (#if __AVX512F__)
 #endif
 #include <ATen/native/CPUBlas.h>
@@ -354,24 +353,6 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
   });
 }
 
-// Whether this CPU runs 512-bit operations at full width: AMD's Zen 5 (family
-// 26) and later. Zen 4 (family 25) splits each into two 256-bit halves.
-bool full_width_zmm() {
-#if defined(__x86_64__)
-  static const bool full = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
-    if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-    const unsigned base = (eax >> 8) & 0xF;
-    return (base == 0xF ? base + ((eax >> 20) & 0xFF) : base) >= 0x1A;
-  }();
-  return full;
-#else
-  return false;
-#endif
-}
-
 // Whether m rows over `units` 64-column units take units of 32 columns (2
 // tiles, blocks of 8 rows) rather than 64 (4 tiles, blocks of 6 rows), up to
 // 8 rows: 32, one pass over the weights either way and twice the units to
@@ -384,7 +365,7 @@ bool full_width_zmm() {
 // -5% (three runs). linear_silu_mul's choice at any row count: past 8 rows 64
 // (32 read 2-3% slower there).
 inline bool narrow_units_up_to_8_rows(int64_t m, int64_t units) {
-  const int64_t wide_from = full_width_zmm() ? 1 : 3;
+  const int64_t wide_from = jitney_cpu::full_width_zmm() ? 1 : 3;
   return m <= 8 && !(m >= wide_from && m <= 6 && units % at::get_num_threads() == 0);
 }
 
