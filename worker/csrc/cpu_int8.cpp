@@ -321,7 +321,7 @@ void linear_amx(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, con
 // weights once and small layers split evenly between the threads; at 1-2
 // rows on a full-width CPU (amx.h's full_width_zmm), where the 64-column
 // units split evenly, 64 (4 tiles, R <= 2): bench/kernel_ab.py --linears
-// --kind int8 on a Zen 5, 1 row -3.5 to -5%, 2 rows -1.5 to -4.5%. (64 past
+// --kind int8 on a Zen 5, 1 row -3.8 to -4.9%, 2 rows -1.5 to -5.5%. (64 past
 // 8 rows, 3 rows a call: 64 rows 24.7 -> 36.2 ms, not taken.)
 template <int TILES>
 constexpr int64_t kVnniRowStep = TILES == 2 ? 4 : 2;
