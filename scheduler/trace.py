@@ -10,6 +10,11 @@ Fields of a line:
     seats           seq ids in the batch, in plan order
     prefill_tokens  tokens of chunks with more than one token, or not at the end (prompt work)
     decode_tokens   tokens of one-token chunks that sample (generation work)
+    samples         chunks that sample a token (rows the head computes)
+    context_tokens  keys the step's attention reads at the least: each chunk's
+                    sequence up to the chunk's end (start + new tokens), summed
+    attended_keys   query-key pairs of the step's causal attention: each new
+                    token at position p attends p + 1 keys, summed
     waiting         requests waiting after the step was planned
     running         requests running after the step was planned
     kv_blocks_used  KV blocks held by running requests
@@ -43,6 +48,7 @@ class StepTracer:
     def record(self, output: SchedulerOutput, started: float, worker_s: float, model_s: float,
                scheduler: Scheduler) -> None:
         decode = sum(1 for c in output.scheduled if c.num_new_tokens == 1 and c.sample)
+        chunks = [(c.start_position, c.num_new_tokens) for c in output.scheduled]
         line: dict[str, Any] = {
             "step": output.step_id,
             "t": round(started, 6),
@@ -52,6 +58,9 @@ class StepTracer:
             "seats": [c.request.seq_id for c in output.scheduled],
             "prefill_tokens": output.num_batched_tokens - decode,
             "decode_tokens": decode,
+            "samples": sum(1 for c in output.scheduled if c.sample),
+            "context_tokens": sum(start + n for start, n in chunks),
+            "attended_keys": sum(n * start + n * (n + 1) // 2 for start, n in chunks),
             "waiting": scheduler.num_waiting,
             "running": scheduler.num_running,
             "kv_blocks_used": scheduler.block_manager.num_used_blocks,

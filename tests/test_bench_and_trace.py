@@ -79,3 +79,28 @@ def test_percentiles_are_nearest_rank() -> None:
     assert _dist([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == {"mean": 3.5, "p50": 3.0, "p90": 6.0, "p99": 6.0}
     d = _dist([float(v) for v in range(1, 101)])
     assert (d["p50"], d["p90"], d["p99"]) == (50.0, 90.0, 99.0)
+
+
+def test_trace_counts_each_steps_attention_work(tmp_path: Path) -> None:
+    """samples, context_tokens and attended_keys of one step, by hand: a 5-token prompt chunk from 0
+    that samples, a decode at position 7, and a prompt chunk of 4 from 3 that does not sample."""
+    from types import SimpleNamespace
+
+    from jitney.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+    from jitney.scheduler.trace import StepTracer
+
+    def chunk(seq: int, start: int, n: int, sample: bool) -> ScheduledChunk:
+        return ScheduledChunk(request=SimpleNamespace(seq_id=seq), start_position=start,  # type: ignore[arg-type]
+                              num_new_tokens=n, token_ids=[1] * n, new_block_ids=[], sample=sample)
+
+    output = SchedulerOutput(step_id=1, scheduled=[chunk(1, 0, 5, True), chunk(2, 7, 1, True), chunk(3, 3, 4, False)],
+                             num_batched_tokens=10)
+    sched = SimpleNamespace(num_waiting=0, num_running=3, block_manager=SimpleNamespace(num_used_blocks=4))
+    tracer = StepTracer(tmp_path / "t.jsonl")
+    tracer.record(output, tracer.now(), 0.01, 0.005, sched)  # type: ignore[arg-type]
+    tracer.close()
+    (step,) = read_trace(tmp_path / "t.jsonl")
+    assert (step["prefill_tokens"], step["decode_tokens"], step["samples"]) == (9, 1, 2)
+    assert step["context_tokens"] == 5 + 8 + 7
+    # positions 0-4 attend 1-5 keys, position 7 attends 8, positions 3-6 attend 4-7
+    assert step["attended_keys"] == (1 + 2 + 3 + 4 + 5) + 8 + (4 + 5 + 6 + 7)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cpu_floor import peak, request_flops, workload_bytes, workload_flops
+from bench.cpu_floor import peak, request_flops, step_floors, targets, weight_bytes, workload_bytes, workload_flops
 from jitney.client.bench import WorkItem
 from jitney.worker.model import ModelConfig
 
@@ -46,6 +46,56 @@ def test_bytes_by_hand() -> None:
     assert data["weights"] == 2 * 2 * 280 and data["kv"] == 16 * (4 + 5)
     assert data["total"] == data["weights"] + data["kv"]
     assert workload_bytes(TINY, [WorkItem("a", 0.0, [5], 2)], dtype_bytes=1)["kv"] == 8 * 2
+
+
+def test_step_floors_by_hand() -> None:
+    # TINY at 1 GFLOP/s and 1 GB/s. Weights: 280 values, 560 bytes in bf16; int8: 280 bytes + 4 bytes a channel
+    # of the layers' 2 x (8 + 4 + 12 + 4) = 56 and the head's 10: 280 + 264.
+    assert weight_bytes(TINY, "bf16") == 560 and weight_bytes(TINY, "int8") == 280 + 4 * 66
+    with pytest.raises(ValueError, match="unknown weight kind"):
+        weight_bytes(TINY, "fp8")
+    steps = [
+        # a prompt chunk of 3 that samples: 2 x 240 x 3 + 2 x 40 x 1 + 4 x 2 x 2 x 2 x (1 + 2 + 3) = 1440 + 80 + 192
+        # FLOPs, 560 + 16 x 3 bytes: FLOP-bound, 1712 ns.
+        {"seats": [1], "prefill_tokens": 3, "decode_tokens": 0, "samples": 1, "context_tokens": 3,
+         "attended_keys": 6, "model_s": 4e-6},
+        # a decode at position 3: 480 + 80 + 32 x 4 = 688 FLOPs, 560 + 64 = 624 bytes: 688 ns.
+        {"seats": [1], "prefill_tokens": 0, "decode_tokens": 1, "samples": 1, "context_tokens": 4,
+         "attended_keys": 4, "model_s": 1e-6},
+        # a step that only frees: no model, left out.
+        {"seats": [], "prefill_tokens": 0, "decode_tokens": 0, "samples": 0, "context_tokens": 0,
+         "attended_keys": 0, "model_s": 0.0},
+        # 8 decodes whose sequences hold 36 keys in all: 8 x 480 + 8 x 80 + 32 x 36 = 5632 FLOPs,
+        # 560 + 16 x 36 = 1136 bytes: 5632 ns.
+        {"seats": list(range(8)), "prefill_tokens": 0, "decode_tokens": 8, "samples": 8, "context_tokens": 36,
+         "attended_keys": 36, "model_s": 2e-5},
+    ]
+    got = step_floors(TINY, steps, 1.0, 1.0)
+    rows = {g["group"]: g for g in got["groups"]}
+    assert list(rows) == ["with prompt work", "decode, 8-31 sequences", "decode, 1-7 sequences"]
+    assert rows["with prompt work"]["floor_s"] == pytest.approx(1712e-9)
+    assert rows["decode, 1-7 sequences"]["floor_s"] == pytest.approx(688e-9)
+    assert rows["decode, 8-31 sequences"]["floor_s"] == pytest.approx(5632e-9)
+    assert (got["steps"], got["model_s"]) == (3, pytest.approx(25e-6))
+    assert got["floor_s"] == pytest.approx((1712 + 688 + 5632) * 1e-9)
+    # At a slow memory the decode at one sequence turns bound by its bytes: 624 ns at 1 GB/s -> 1248 at 0.5.
+    slow = {g["group"]: g for g in step_floors(TINY, steps, 1.0, 0.5)["groups"]}
+    assert slow["decode, 1-7 sequences"]["floor_s"] == pytest.approx(1248e-9)
+    assert slow["decode, 1-7 sequences"]["flops_bound"] == 0 and slow["with prompt work"]["flops_bound"] == 1
+
+
+def test_targets_show_the_ratio_at_the_floors() -> None:
+    res = {"cases": {"bf16-offline": {"output_tok_s": 300.0, "wall_s": 10.0}, "static-8": {"output_tok_s": 100.0}},
+           "decode": {}, "floor": {"floor_s": 5.0},
+           "step_floors": {"bf16-offline": {"floor_s": 6.0}, "static-8": {"floor_s": 12.0}},
+           "decode_bytes": {"bf16": 560, "int8": 280, "kv": 20}}
+    rows = {t["target"].split(",")[0].split(" (")[0]: t for t in targets(res)}
+    cont = rows["continuous"]
+    assert (cont["value"], cont["met"], cont["at_floors"]) == (pytest.approx(3.0), True, pytest.approx(2.0))
+    off = rows["offline-64 wall"]
+    assert (off["value"], off["met"], off["at_floors"]) == (pytest.approx(2.0), False, pytest.approx(1.2))
+    one = next(t for t in targets(res) if t["target"].startswith("decode step batch 1, model ms: bf16 / int8"))
+    assert (one["value"], one["met"], one["at_floors"]) == (None, None, pytest.approx(580 / 300))
 
 
 def test_peak_is_the_better_kernel_over_the_workload_mix() -> None:
@@ -105,6 +155,14 @@ def test_smoke_run_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
         assert (t["met"] is None) == (t["value"] is None)
     static = next(t for name, t in targets.items() if "static-8" in name)
     assert static["met"] is None     # static-8 was not asked for
+    # bf16-offline's step trace against each step's floor, at the run's own peak and read rate.
+    sf = res["step_floors"]["bf16-offline"]
+    assert sf["peak_gflops"] == peak["peak_gflops"] and sf["rate_gbs"] == fl["bandwidth_gbs"]
+    assert sf["steps"] == sum(g["steps"] for g in sf["groups"]) > 0 and 0 < sf["floor_s"] < sf["model_s"]
+    assert floor_row["at_floors"] == pytest.approx(sf["floor_s"] / fl["floor_s"])
+    assert static["at_floors"] is None and "### Each step against its own floor" in report
+    int8_one = next(t for name, t in targets.items() if name.startswith("decode step batch 1, model ms: bf16 / int8"))
+    assert 1 < int8_one["at_floors"] < 2      # the bytes ratio: int8's scales and the shared K/V keep it under 2
     assert "– (not measured)" in report
 
 
