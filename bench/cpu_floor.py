@@ -86,6 +86,16 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
             ("down_proj", i, h, n), ("lm_head", h, cfg.vocab_size, 1)]
 
 
+def attention_flops_per_key(cfg: ModelConfig) -> int:
+    """FLOPs of one query-key pair over all layers: QK^T and PV, 2 per multiply-add, every head."""
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of one token's K and V in every layer, ``dtype_bytes`` a value (2: bf16)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
 def request_flops(cfg: ModelConfig, prompt_tokens: int, max_tokens: int) -> dict[str, int]:
     """Matmul FLOPs of one greedy request of ``prompt_tokens`` + ``max_tokens`` tokens, none cached.
 
@@ -102,7 +112,7 @@ def request_flops(cfg: ModelConfig, prompt_tokens: int, max_tokens: int) -> dict
     return {"positions": positions,
             "linear": 2 * cfg.num_layers * layer_params * positions,
             "head": 2 * cfg.hidden_size * cfg.vocab_size * max_tokens,
-            "attention": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys}
+            "attention": attention_flops_per_key(cfg) * keys}
 
 
 def workload_flops(cfg: ModelConfig, items: Iterable[WorkItem]) -> dict[str, Any]:
@@ -133,7 +143,7 @@ def workload_bytes(cfg: ModelConfig, items: Iterable[WorkItem], dtype_bytes: int
     counted: this is a lower bound on the bytes, as the FLOP count is on the arithmetic.
     """
     weights = dtype_bytes * sum(k * n * uses for _, k, n, uses in linear_shapes(cfg))
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    kv_per_token = kv_bytes_per_token(cfg, dtype_bytes)
     steps = keys = 0
     for item in items:
         prompt, m = len(item.prompt_token_ids), item.max_tokens
@@ -174,8 +184,8 @@ def step_floors(cfg: ModelConfig, steps: Iterable[dict[str, Any]], peak_gflops: 
     (``PROMPT_GROUP``), and the decode-only steps by their number of sequences (``DECODE_GROUPS``)."""
     layer_params = sum(k * n * uses for name, k, n, uses in linear_shapes(cfg) if name != "lm_head")
     head_params = cfg.hidden_size * cfg.vocab_size
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    attention = attention_flops_per_key(cfg)
+    kv_per_token = kv_bytes_per_token(cfg)
     weights = weight_bytes(cfg, "bf16")
     groups: dict[str, dict[str, Any]] = {
         name: {"group": name, "steps": 0, "model_s": 0.0, "floor_s": 0.0, "flops_bound": 0}
@@ -609,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_floors": {},
     }
 
+    cfg: ModelConfig | None = None  # read once, by the first part that needs it
     if "floor" in wanted:
         print("== floor: bf16 matmul peak on the model's shapes", flush=True)
         try:
@@ -678,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["cases"][name] = summary
 
     if res["floor"] and "error" not in res["floor"]:
+        assert cfg is not None  # the floor's first pass read it
         print("== floor: the matmul peak again, at the end of the run", flush=True)
         res["floor"] = floor_pass(cfg, res["floor"]["flops"], args.floor_rows, args.floor_reps, res["floor"])
         fl = res["floor"]
@@ -688,8 +700,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        fl["peak"]["peak_gflops"], fl["bandwidth_gbs"])
     if res["decode"]:
         try:
-            cfg = model_config(model)
-            kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * args.decode_context
+            cfg = cfg or model_config(model)
+            kv = kv_bytes_per_token(cfg) * args.decode_context
             res["decode_bytes"] = {"context": args.decode_context, "kv": kv,
                                    **{kind: weight_bytes(cfg, kind) for kind in ("bf16", "int8")}}
         except Exception:  # noqa: BLE001 - the bound is a note; the decode cases carry their own errors
