@@ -82,20 +82,41 @@ def test_step_floors_by_hand() -> None:
     slow = {g["group"]: g for g in step_floors(TINY, steps, 1.0, 0.5)["groups"]}
     assert slow["decode, 1-7 sequences"]["floor_s"] == pytest.approx(1248e-9)
     assert slow["decode, 1-7 sequences"]["flops_bound"] == 0 and slow["with prompt work"]["flops_bound"] == 1
+    # In phases (linears, head, attention one after another), each phase's own floor. At 1 GB/s every phase of these
+    # steps is FLOP-bound, or even: the same sums as above.
+    assert [g["phases_s"] for g in got["groups"]] == pytest.approx([1712e-9, 5632e-9, 688e-9])
+    assert got["phases_s"] == pytest.approx(got["floor_s"])
+    # At 0.25 GB/s the 8 decodes' linears (3840 FLOPs against 480 bytes: 1920 ns) and head (640 against 80: 320 ns)
+    # stay FLOP-bound while their attention turns bound by its bytes (1152 FLOPs against 16 x 36 = 576 bytes:
+    # 2304 ns): 3840 + 640 + 2304 = 6784 ns in phases, where the whole step's larger sum is 5632 FLOPs
+    # (its 560 + 576 = 1136 bytes take 4544 ns).
+    quarter = {g["group"]: g for g in step_floors(TINY, steps, 1.0, 0.25)["groups"]}
+    assert quarter["decode, 8-31 sequences"]["floor_s"] == pytest.approx(5632e-9)
+    assert quarter["decode, 8-31 sequences"]["phases_s"] == pytest.approx(6784e-9)
+    # A step that samples nothing reads no head: a chunk of 3 mid-prompt, 1440 + 192 FLOPs; at 0.25 GB/s its
+    # 480 + 48 bytes take 2112 ns (2432 had the head's 80 been counted), its phases max(1440, 1920) + max(192, 192).
+    mid = [{"seats": [1], "prefill_tokens": 3, "decode_tokens": 0, "samples": 0, "context_tokens": 3,
+            "attended_keys": 6, "model_s": 4e-6}]
+    got_mid = step_floors(TINY, mid, 1.0, 0.25)
+    assert got_mid["floor_s"] == pytest.approx(2112e-9) and got_mid["phases_s"] == pytest.approx(2112e-9)
 
 
 def test_targets_show_the_ratio_at_the_floors() -> None:
     res = {"cases": {"bf16-offline": {"output_tok_s": 300.0, "wall_s": 10.0}, "static-8": {"output_tok_s": 100.0}},
            "decode": {}, "floor": {"floor_s": 5.0},
-           "step_floors": {"bf16-offline": {"floor_s": 6.0}, "static-8": {"floor_s": 12.0}},
+           "step_floors": {"bf16-offline": {"floor_s": 6.0, "phases_s": 6.5}, "static-8": {"floor_s": 12.0,
+                                                                                         "phases_s": 12.0}},
            "decode_bytes": {"bf16": 560, "int8": 280, "kv": 20}}
     rows = {t["target"].split(",")[0].split(" (")[0]: t for t in targets(res)}
     cont = rows["continuous"]
     assert (cont["value"], cont["met"], cont["at_floors"]) == (pytest.approx(3.0), True, pytest.approx(2.0))
+    assert cont["at_phases"] == pytest.approx(12.0 / 6.5)
     off = rows["offline-64 wall"]
     assert (off["value"], off["met"], off["at_floors"]) == (pytest.approx(2.0), False, pytest.approx(1.2))
+    assert off["at_phases"] == pytest.approx(1.3)
     one = next(t for t in targets(res) if t["target"].startswith("decode step batch 1, model ms: bf16 / int8"))
-    assert (one["value"], one["met"], one["at_floors"]) == (None, None, pytest.approx(580 / 300))
+    assert (one["value"], one["met"], one["at_floors"], one["at_phases"]) == (None, None, pytest.approx(580 / 300),
+                                                                            None)
 
 
 def test_peak_is_the_better_kernel_over_the_workload_mix() -> None:
@@ -160,6 +181,8 @@ def test_smoke_run_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     assert sf["peak_gflops"] == peak["peak_gflops"] and sf["rate_gbs"] == fl["bandwidth_gbs"]
     assert sf["steps"] == sum(g["steps"] for g in sf["groups"]) > 0 and 0 < sf["floor_s"] < sf["model_s"]
     assert floor_row["at_floors"] == pytest.approx(sf["floor_s"] / fl["floor_s"])
+    assert sf["floor_s"] <= sf["phases_s"] * (1 + 1e-9) and sf["phases_s"] < sf["model_s"]   # the tighter bound
+    assert floor_row["at_phases"] == pytest.approx(sf["phases_s"] / fl["floor_s"])
     assert static["at_floors"] is None and "### Each step against its own floor" in report
     int8_one = next(t for name, t in targets.items() if name.startswith("decode step batch 1, model ms: bf16 / int8"))
     assert 1 < int8_one["at_floors"] < 2      # the bytes ratio: int8's scales and the shared K/V keep it under 2
