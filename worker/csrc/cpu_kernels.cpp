@@ -257,7 +257,15 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
 // 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
 // The float32 sums of R rows x TILES tiles: row r's at sums + r * TILES * 16.
-template <int R, int TILES>
+// kStream: ask for the weights kStreamAhead chunks ahead. A unit's first pass
+// over its rows needs it (the weights come from memory); its middle passes
+// read them from L2, where the first left them, and skip it; its last pass
+// keeps it, running into the next block's weights, which its thread's next
+// unit may read. kernel_ab.py --linears, a pass over every weight, the builds
+// in turns: 512 rows -4.4 to -5.5%, 64 rows -0.8 to -3.4%, 12-32 rows within
+// 1.5% either way; the decode step at 64 sequences -2.6%. (The int8 kernel's
+// middle passes of 2 rows need theirs: without it 64 rows read 17-19% slower.)
+template <int R, int TILES, bool kStream = true>
 inline void dp_sums(const at::BFloat16* x, int64_t k, const char* w, float* sums) {
   __m512 acc[R][TILES];
   for (int r = 0; r < R; ++r)
@@ -266,8 +274,9 @@ inline void dp_sums(const at::BFloat16* x, int64_t k, const char* w, float* sums
   const auto step = [&](int64_t p, const uint32_t* pairs) __attribute__((always_inline)) {
     const char* wp = w + (p >> 4) * jitney_cpu::kChunkBytes + (p & 15) * 64;
     // amx.h's kStreamAhead chunks ahead into L2 (bench/int8_linears.py, docs/performance.md).
-    for (int t = 0; t < TILES; ++t)
-      _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
+    if constexpr (kStream)
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(wp + jitney_cpu::kStreamAhead * jitney_cpu::kChunkBytes + t * jitney_cpu::kTileBytes, _MM_HINT_T1);
     __m512bh wt[TILES];
     for (int t = 0; t < TILES; ++t) wt[t] = (__m512bh)_mm512_loadu_si512(wp + t * jitney_cpu::kTileBytes);
     for (int r = 0; r < R; ++r) {
@@ -290,9 +299,13 @@ inline void dp_sums(const at::BFloat16* x, int64_t k, const char* w, float* sums
 
 template <int R, int TILES, typename out_t>
 inline void dp_rows(const at::BFloat16* x, int64_t k, const char* w, const float* bias, out_t* y, int64_t n,
-                    int64_t cols) {
+                    int64_t cols, bool stream) {
   alignas(64) float sums[R * TILES * 16];
-  dp_sums<R, TILES>(x, k, w, sums);
+  if (stream) {
+    dp_sums<R, TILES, true>(x, k, w, sums);
+  } else {
+    dp_sums<R, TILES, false>(x, k, w, sums);
+  }
   for (int r = 0; r < R; ++r) store_row(sums + r * TILES * 16, bias, y + r * n, cols);
 }
 
@@ -346,7 +359,8 @@ void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFlo
       const float* b = bias ? bias + col0 : nullptr;
       for (int64_t r0 = items.row_begin(i); r0 < row_end; r0 += kRows) {
         with_rows<kRows>(std::min(kRows, row_end - r0), [&](auto R) {
-          dp_rows<R, TILES>(x + r0 * k, k, w, b, y + r0 * n + col0, n, cols);
+          dp_rows<R, TILES>(x + r0 * k, k, w, b, y + r0 * n + col0, n, cols,
+                            r0 == items.row_begin(i) || r0 + kRows >= row_end);
         });
       }
     }
@@ -1180,8 +1194,13 @@ void linear_dp_silu_mul_units(const at::BFloat16* x, int64_t m, int64_t k, const
         const at::BFloat16* xr = x + r0 * k;
         const int64_t rows = std::min(kRows, row_end - r0);
         with_rows<kRows>(rows, [&](auto R) {
-          dp_sums<R, TILES>(xr, k, wg, gate);
-          dp_sums<R, TILES>(xr, k, wu, up);
+          if (r0 == row_begin || r0 + kRows >= row_end) {
+            dp_sums<R, TILES, true>(xr, k, wg, gate);
+            dp_sums<R, TILES, true>(xr, k, wu, up);
+          } else {
+            dp_sums<R, TILES, false>(xr, k, wg, gate);
+            dp_sums<R, TILES, false>(xr, k, wu, up);
+          }
         });
         for (int64_t r = 0; r < rows; ++r) {
           at::BFloat16* dst = y + (r0 + r) * half + unit * kUnitCols;
