@@ -254,8 +254,8 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // output is one float32 lane, from zero, with one vdpbf16ps per K pair in
 // order (an odd K's last pair has a zero second value), whatever the number
 // of rows, the block of rows it sits in, the width of a unit or the threads.
-// A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 8 at
-// 2 tiles, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
+// A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 16 at
+// 1 tile, 8 at 2, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
 // The float32 sums of R rows x TILES tiles: row r's at sums + r * TILES * 16.
 // kStream: ask for the weights kStreamAhead chunks ahead. A unit's first pass
 // over its rows needs it (the weights come from memory); its middle passes
@@ -327,10 +327,27 @@ struct UnitItems {
   int64_t row_end(int64_t i) const { return std::min(m, row_begin(i) + slice_rows); }
 };
 
-// f(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= kMax (<= 8): a
+// f(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= kMax: a
 // compile-time row count for dp_sums and dp_rows.
+template <int N, typename F>
+__attribute__((always_inline)) inline void with_rows_above_8(int64_t rows, F&& f) {
+  if constexpr (N > 8) {
+    if (rows == N) {
+      f(std::integral_constant<int, N>{});
+    } else {
+      with_rows_above_8<N - 1>(rows, f);
+    }
+  }
+}
+
 template <int kMax, typename F>
 __attribute__((always_inline)) inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (kMax > 8) {
+    if (rows > 8) {
+      with_rows_above_8<kMax>(rows, f);
+      return;
+    }
+  }
   switch (rows) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
@@ -347,7 +364,7 @@ template <int TILES, typename out_t>
 void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
                      out_t* y, int64_t n) {
   constexpr int64_t kUnitCols = TILES * 16;
-  constexpr int64_t kRows = TILES == 2 ? 8 : 6;
+  constexpr int64_t kRows = TILES == 1 ? 16 : TILES == 2 ? 8 : 6;
   const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
   const UnitItems items((n + kUnitCols - 1) / kUnitCols, m, kRows);  // (units past n: the layout's padding)
   at::parallel_for(0, items.count, 1, [&](int64_t i0, int64_t i1) {
@@ -394,10 +411,21 @@ inline bool narrow_units(int64_t m, int64_t units) {
   return m > 8 ? (m + 7) / 8 < (m + 5) / 6 : narrow_units_up_to_8_rows(m, units);
 }
 
+// 9-14 rows: units of one tile (16 columns), every row in one pass over the
+// unit's weights (up to 16 sums a call), where 32-column units take two passes
+// of 8 rows. Where a step's linears stream their weights from memory, one
+// pass reads each weight line once and computes with it at once.
+// kernel_ab.py --linears, builds in turns: 9 rows -6%, 11 -12%, 13 -5%, 14
+// -2.5%; the decode step at 12 sequences 12.1 -> 11.1 ms. Past 16 rows a call
+// (17 and 18 tried) the compiler spills the sums: 1.6-2.2x slower.
+inline bool one_tile_units(int64_t m) { return m > 8 && m <= 14; }
+
 template <typename out_t>
 void linear_dp(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias, out_t* y,
                int64_t n) {
-  if (narrow_units(m, (n + 63) / 64)) {
+  if (one_tile_units(m)) {
+    linear_dp_units<1>(x, m, k, packed, bias, y, n);
+  } else if (narrow_units(m, (n + 63) / 64)) {
     linear_dp_units<2>(x, m, k, packed, bias, y, n);
   } else {
     linear_dp_units<4>(x, m, k, packed, bias, y, n);
@@ -1178,7 +1206,7 @@ template <int TILES>
 void linear_dp_silu_mul_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed,
                               const float* bias, at::BFloat16* y, int64_t half) {
   constexpr int64_t kUnitCols = TILES * 16;
-  constexpr int64_t kRows = TILES == 2 ? 8 : 6;
+  constexpr int64_t kRows = TILES == 1 ? 16 : TILES == 2 ? 8 : 6;
   const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
   const int64_t pairs = half / kUnitCols;
   const UnitItems items(pairs, m, kRows);
@@ -1237,7 +1265,9 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const 
     if (m == 0) return y;
     const auto* xp = xc.data_ptr<at::BFloat16>();
     const auto* wp = packed.data_ptr<at::BFloat16>();
-    if (narrow_units_up_to_8_rows(m, half / 64)) {
+    if (one_tile_units(m)) {
+      linear_dp_silu_mul_units<1>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
+    } else if (narrow_units_up_to_8_rows(m, half / 64)) {
       linear_dp_silu_mul_units<2>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
     } else {
       linear_dp_silu_mul_units<4>(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), half);
