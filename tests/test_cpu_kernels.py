@@ -25,7 +25,7 @@ from jitney.worker.model import rope_inv_freq
 from jitney.worker.sampler import greedy_logprobs, log_softmax_rows, row_logsumexp, row_sums, softmax_stats
 
 DTYPES = [torch.bfloat16, torch.float32]
-ROW_COUNTS = [1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 32, 33, 64, 65, 130, 513]
+ROW_COUNTS = [1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 24, 25, 31, 32, 33, 64, 65, 130, 513]
 CPU = torch.device("cpu")
 
 
@@ -54,8 +54,8 @@ def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtyp
     """Both bf16 kernels (the CPU's fastest, and the portable loops), at in_features
     that are and are not multiples of 32 (and odd), row counts on both sides of the
     kernels' switches of unit width (ROW_COUNTS: 2/3 and 6/7 where the 64-column units
-    split evenly between threads, 8/9 and 14/15 around the one-tile units, 12/13 and
-    16/17) and ragged last row blocks."""
+    split evenly between threads, 8/9 and 14/15 around the one-tile units, 12/13,
+    16/17 and 24/25 for the 32-column units' blocks of 12) and ragged last row blocks."""
     k, n = shape
     gen = torch.Generator().manual_seed(k * 1000 + n)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)

@@ -255,7 +255,7 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // order (an odd K's last pair has a zero second value), whatever the number
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 16 at
-// 1 tile, 8 at 2, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
+// 1 tile, 12 at 2, 6 at 4: with the weights' and the broadcast's, at most 27 of 32).
 // The float32 sums of R rows x TILES tiles: row r's at sums + r * TILES * 16.
 // kStream: ask for the weights kStreamAhead chunks ahead. A unit's first pass
 // over its rows needs it (the weights come from memory); its middle passes
@@ -364,7 +364,7 @@ template <int TILES, typename out_t>
 void linear_dp_units(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
                      out_t* y, int64_t n) {
   constexpr int64_t kUnitCols = TILES * 16;
-  constexpr int64_t kRows = TILES == 1 ? 16 : TILES == 2 ? 8 : 6;
+  constexpr int64_t kRows = TILES == 1 ? 16 : TILES == 2 ? 12 : 6;
   const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk;
   const UnitItems items((n + kUnitCols - 1) / kUnitCols, m, kRows);  // (units past n: the layout's padding)
   at::parallel_for(0, items.count, 1, [&](int64_t i0, int64_t i1) {
@@ -400,15 +400,20 @@ inline bool narrow_units_up_to_8_rows(int64_t m, int64_t units) {
   return m <= 8 && !(m >= wide_from && m <= 6 && units % at::get_num_threads() == 0);
 }
 
-// linear()'s choice: as above up to 8 rows; past 8, whichever width makes
-// fewer passes over a unit's weights, 64 where both make as many. Per pass a
-// 32-column unit's 8 rows read 8 bytes of weights from L2 a multiply-add, a
-// 64-column unit's 6 rows 10.7 (kernel_ab.py --linears, in either order of
-// the builds: 13 rows -9%, 16 and 24 rows -1.3 to -4%, 32 rows -3 to -4%, 64
-// rows -2%, 512 rows -1.3 to -3.9%; 9 rows in 8 + 1 rather than 6 + 3: 8%
-// slower).
+// linear()'s choice: as above up to 8 rows; past 8 (and past one_tile_units'
+// rows), whichever width makes fewer passes over a unit's weights, 64 where
+// both make as many. Per pass a 32-column unit's 8 rows read 8 bytes of
+// weights from L2 a multiply-add, a 64-column unit's 6 rows 10.7
+// (kernel_ab.py --linears, in either order of the builds: 13 rows -9%, 16
+// and 24 rows -1.3 to -4%, 32 rows -3 to -4%, 64 rows -2%, 512 rows -1.3 to
+// -3.9%; 9 rows in 8 + 1 rather than 6 + 3: 8% slower). The 32-column units
+// take 12 rows a pass (24 sums) where they took 8: 15 rows -1%, 16 -4%, 18
+// -11%, 24 -11%, 32 -8%, 64 -2.5%, 512 within 1%; the decode step at 18
+// sequences 14.6 -> 12.8 ms. (Tried before at 64 and 512 rows, slower: that
+// build's compiler did not keep the sums in registers, a hazard past 16 sums
+// a row loop, see one_tile_units.)
 inline bool narrow_units(int64_t m, int64_t units) {
-  return m > 8 ? (m + 7) / 8 < (m + 5) / 6 : narrow_units_up_to_8_rows(m, units);
+  return m > 8 ? (m + 11) / 12 < (m + 5) / 6 : narrow_units_up_to_8_rows(m, units);
 }
 
 // 9-14 rows: units of one tile (16 columns), every row in one pass over the
@@ -417,7 +422,9 @@ inline bool narrow_units(int64_t m, int64_t units) {
 // pass reads each weight line once and computes with it at once.
 // kernel_ab.py --linears, builds in turns: 9 rows -6%, 11 -12%, 13 -5%, 14
 // -2.5%; the decode step at 12 sequences 12.1 -> 11.1 ms. Past 16 rows a call
-// (17 and 18 tried) the compiler spills the sums: 1.6-2.2x slower.
+// (17 and 18 tried) GCC no longer unrolls the row loop whole and the sums go to
+// memory: 1.6-2.2x slower; with `#pragma GCC unroll` it keeps them, but at 20-24
+// rows two passes of 12 over 32-column units still read 10-15% faster.
 inline bool one_tile_units(int64_t m) { return m > 8 && m <= 14; }
 
 template <typename out_t>
