@@ -255,7 +255,7 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // order (an odd K's last pair has a zero second value), whatever the number
 // of rows, the block of rows it sits in, the width of a unit or the threads.
 // A call of R rows x TILES tiles keeps R * TILES sums in registers (R <= 16 at
-// 1 tile, 12 at 2, 6 at 4: with the weights' and the broadcast's, at most 27 of 32).
+// 1 tile, 12 at 2, 6 at 4: with the weights' and the broadcast's, at most 29 of 32).
 // The float32 sums of R rows x TILES tiles: row r's at sums + r * TILES * 16.
 // kStream: ask for the weights kStreamAhead chunks ahead. A unit's first pass
 // over its rows needs it (the weights come from memory); its middle passes
