@@ -86,6 +86,11 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
             ("down_proj", i, h, n), ("lm_head", h, cfg.vocab_size, 1)]
 
 
+def weight_count(cfg: ModelConfig, head: bool = True) -> int:
+    """Linear weights a token meets: every layer's, and the head's unless ``head`` is False."""
+    return sum(k * n * uses for name, k, n, uses in linear_shapes(cfg) if head or name != "lm_head")
+
+
 def attention_flops_per_key(cfg: ModelConfig) -> int:
     """FLOPs of one query-key pair over all layers: QK^T and PV, 2 per multiply-add, every head."""
     return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
@@ -107,10 +112,9 @@ def request_flops(cfg: ModelConfig, prompt_tokens: int, max_tokens: int) -> dict
     heads x head_dim per layer (QK^T and PV, 2 FLOPs a multiply-add each).
     """
     positions = max(0, prompt_tokens + max_tokens - 1)
-    layer_params = sum(k * n for name, k, n, _ in linear_shapes(cfg) if name != "lm_head")
     keys = positions * (positions + 1) // 2
     return {"positions": positions,
-            "linear": 2 * cfg.num_layers * layer_params * positions,
+            "linear": 2 * weight_count(cfg, head=False) * positions,
             "head": 2 * cfg.hidden_size * cfg.vocab_size * max_tokens,
             "attention": attention_flops_per_key(cfg) * keys}
 
@@ -142,7 +146,7 @@ def workload_bytes(cfg: ModelConfig, items: Iterable[WorkItem], dtype_bytes: int
     its p keys before it in every layer. Prefill steps (compute-bound) and activations are not
     counted: this is a lower bound on the bytes, as the FLOP count is on the arithmetic.
     """
-    weights = dtype_bytes * sum(k * n * uses for _, k, n, uses in linear_shapes(cfg))
+    weights = dtype_bytes * weight_count(cfg)
     kv_per_token = kv_bytes_per_token(cfg, dtype_bytes)
     steps = keys = 0
     for item in items:
@@ -158,7 +162,7 @@ def weight_bytes(cfg: ModelConfig, kind: str = "bf16") -> int:
     """Bytes of every linear weight a decode step reads (the layers' and the head's): bf16 two a
     weight; int8 one a weight and a float32 scale an output channel (``cpu_kernels.Int8Linear``)."""
     if kind == "bf16":
-        return 2 * sum(k * n * uses for _, k, n, uses in linear_shapes(cfg))
+        return 2 * weight_count(cfg)
     if kind == "int8":
         return sum((k * n + 4 * n) * uses for _, k, n, uses in linear_shapes(cfg))
     raise ValueError(f"unknown weight kind {kind!r}")
@@ -191,7 +195,7 @@ def step_floors(cfg: ModelConfig, steps: Iterable[dict[str, Any]], peak_gflops: 
 
     Steps without seats (ones that only free) are skipped. Grouped: the steps with prompt work
     (``PROMPT_GROUP``), and the decode-only steps by their number of sequences (``DECODE_GROUPS``)."""
-    layer_params = sum(k * n * uses for name, k, n, uses in linear_shapes(cfg) if name != "lm_head")
+    layer_params = weight_count(cfg, head=False)
     head_params = cfg.hidden_size * cfg.vocab_size
     attention = attention_flops_per_key(cfg)
     kv_per_token = kv_bytes_per_token(cfg)
