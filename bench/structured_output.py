@@ -97,12 +97,10 @@ class Case:
 
 
 def _obj(properties: dict[str, Any], required: list[str] | None = None, *, closed: bool = True) -> dict[str, Any]:
-    """An object schema; ``required`` defaults to every property; closed: no other properties."""
-    out: dict[str, Any] = {"type": "object", "properties": properties,
-                           "required": list(properties) if required is None else required}
-    if closed:
-        out["additionalProperties"] = False
-    return out
+    """An object schema; ``required`` defaults to every property; closed: no other properties.
+    Either way it says so: Jitney closes an object schema that does not."""
+    return {"type": "object", "properties": properties,
+            "required": list(properties) if required is None else required, "additionalProperties": not closed}
 
 
 def _str(max_length: int = 40, **kw: Any) -> dict[str, Any]:

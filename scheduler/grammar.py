@@ -68,10 +68,18 @@ Behaviour worth knowing:
     value) llguidance's mask allows only the canonical tokens of it (after
     '{"' the token 'order', not 'o' or 'or'): stricter than necessary,
     always sound.
-  * JSON: at most ``MAX_JSON_WHITESPACE`` whitespace characters between two
-    tokens (bounds the "endless newlines" failure); \\uXXXX escapes allowed;
-    property order follows the schema; llguidance rejects keywords it cannot
-    enforce (e.g. an unknown "format") instead of ignoring them.
+  * JSON, by default: compact (``COMPACT_JSON_OPTIONS``: ", " between items,
+    ": " after a key, no other whitespace anywhere) and object schemas that do
+    not set ``additionalProperties`` are closed (``close_objects``), as OpenAI's
+    strict structured outputs and xgrammar's strict mode are. A small model
+    given free whitespace and open objects wanders (newlines, repeated keys)
+    until max_tokens; compact closed output is also the shortest. With
+    ``ResponseFormat.lenient_json`` the schema keeps JSON Schema's own meaning
+    (open objects) and at most ``MAX_JSON_WHITESPACE`` whitespace characters
+    may come between two tokens (``LENIENT_JSON_OPTIONS``). Either way:
+    \\uXXXX escapes allowed; property order follows the schema; llguidance
+    rejects keywords it cannot enforce (e.g. an unknown "format") instead of
+    ignoring them.
   * regex: Rust regex syntax, the whole output matches. grammar: GBNF
     (``root ::= ...``; Lark also accepted). choice: one of the strings.
 """
@@ -98,24 +106,39 @@ if TYPE_CHECKING:
 
 FIELD = "params.response_format"
 
-# Between two JSON tokens (after "{", ",", ":" ...) at most this many whitespace
-# characters: pretty-printed output stays possible (an indent of 4 at depth 15),
-# a model that keeps emitting newlines is made to move on.
+# Lenient JSON: between two JSON tokens (after "{", ",", ":" ...) at most this
+# many whitespace characters: pretty-printed output stays possible (an indent
+# of 4 at depth 15), a model that keeps emitting newlines is made to move on.
 MAX_JSON_WHITESPACE = 64
 
-# llguidance's JSON-schema compiler options (the bench measures with these).
-JSON_OPTIONS: JsonCompileOptions = {
-    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}",
+# llguidance's JSON-schema compiler options. The default, compact: the
+# separators of Python's json.dumps (", " and ": ") and no free whitespace, so
+# the model has exactly one way to lay the document out.
+COMPACT_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
     # "\u00e9" as well as "é" (Python's json.dumps writes the former); by
     # default llguidance allows \u escapes only for control characters.
     "json_allow_general_unicode_escapes": True,
 }
+# ResponseFormat.lenient_json: bounded free whitespace between tokens.
+LENIENT_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}",
+    "json_allow_general_unicode_escapes": True,
+}
+# The whitespace-flexible options: bench/grammar_engines.py feeds llguidance the
+# same documents in four whitespace styles as xgrammar (any whitespace by default).
+JSON_OPTIONS = LENIENT_JSON_OPTIONS
+
+JSON_KINDS = frozenset({"json_schema", "json_object"})
 
 # An engine message is the client's to read, but need not be a page long.
 MAX_ERROR_CHARS = 1000
 
-# (format kind, source text): the cache key.
-Key = tuple[str, str]
+# (format kind, source text, lenient JSON): the cache key. The same schema
+# compiles to different grammars compact-and-closed and lenient.
+Key = tuple[str, str, bool]
 
 
 class GrammarCompilerBusyError(QueueFullError):
@@ -134,39 +157,126 @@ def allocate_bitmask(batch: int, vocab_size: int) -> np.ndarray:
     return np.zeros((batch, bitmask_words(vocab_size)), dtype="<i4")
 
 
-def _source(fmt: generation_pb2.ResponseFormat) -> tuple[str, str, str]:
-    """(kind, text, field) of a ResponseFormat; kind is its oneof field's name."""
+def _source(fmt: generation_pb2.ResponseFormat) -> tuple[Key, str]:
+    """(cache key, field) of a ResponseFormat: the key's kind is its oneof field's name."""
     kind = fmt.WhichOneof("format")
     if kind is None:
         raise InvalidRequestError(FIELD, "no format is set (json_schema, json_object, regex, choice or grammar)")
+    if fmt.lenient_json and kind not in JSON_KINDS:
+        raise InvalidRequestError(f"{FIELD}.lenient_json", f"applies to json_schema and json_object only, "
+                                                           f"not to {kind}")
     field = f"{FIELD}.{kind}"
+    lenient = fmt.lenient_json
     if kind == "json_schema":
         try:
             json.loads(fmt.json_schema)
         except ValueError as exc:
             raise InvalidRequestError(field, f"not JSON: {exc}") from None
-        return kind, fmt.json_schema, field
+        return (kind, fmt.json_schema, lenient), field
     if kind == "json_object":
         if not fmt.json_object:
             raise InvalidRequestError(field, "must be true when set")
-        return kind, "", field
+        return (kind, "", lenient), field
     if kind == "regex":
-        return kind, fmt.regex, field
+        return (kind, fmt.regex, False), field
     if kind == "choice":
         choices = list(fmt.choice.choices)
         if not choices:
             raise InvalidRequestError(f"{field}.choices", "must name at least one choice")
-        return kind, json.dumps(choices, ensure_ascii=False), f"{field}.choices"
-    return kind, fmt.grammar, field
+        return (kind, json.dumps(choices, ensure_ascii=False), False), f"{field}.choices"
+    return (kind, fmt.grammar, False), field
 
 
-def _engine_grammar(kind: str, text: str) -> str:
+# Keywords whose values are schemas, or maps / lists of schemas, that apply to
+# the instance or its parts: what close_objects walks into. Not "not" (closing
+# an object inside a negation would widen what the schema admits), nor
+# if/then/else or dependentSchemas (conditional: llguidance rejects them).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("additionalProperties", "items", "contains")
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+_LOCAL_DEFS = ("#/$defs/", "#/definitions/")
+
+
+def _is_object_schema(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    if kind == "object" or (isinstance(kind, list) and "object" in kind):
+        return True
+    return kind is None and ("properties" in node or "patternProperties" in node)
+
+
+def _intersects(node: dict[str, Any]) -> bool:
+    """``node`` is the intersection of object schemas: its allOf members, or
+    its own object keywords and its $ref or each of its anyOf/oneOf members.
+    Closing any of the parts would refuse the keys that another part declares."""
+    return "allOf" in node or (_is_object_schema(node) and any(k in node for k in ("anyOf", "oneOf", "$ref")))
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of ``schema`` whose object schemas that set neither
+    ``additionalProperties`` nor ``unevaluatedProperties`` get
+    ``"additionalProperties": false``: every level (properties, items,
+    anyOf/oneOf members, $defs/definitions, ...). Left as written, because
+    closing them would refuse keys the schema allows: a schema that
+    intersects objects (``allOf``, or object keywords beside $ref or
+    anyOf/oneOf), its direct members, and the local ``$defs`` such a part
+    refers to; what lies inside them is closed."""
+    # A copy through JSON, not copy.deepcopy: that keeps a dict used at two places
+    # one dict, and closing it at one place would close it at the other.
+    schema = json.loads(json.dumps(schema))
+    parts: set[str] = set()                          # "#/$defs/X" refs that are intersection members
+
+    def find_parts(node: Any) -> None:
+        if isinstance(node, dict):
+            if _intersects(node):
+                if isinstance(node.get("$ref"), str):
+                    parts.add(node["$ref"])
+                for key in _COMBINATORS:
+                    for member in node.get(key) or ():
+                        if isinstance(member, dict) and isinstance(member.get("$ref"), str):
+                            parts.add(member["$ref"])
+            for value in node.values():
+                find_parts(value)
+        elif isinstance(node, list):
+            for value in node:
+                find_parts(value)
+
+    def close(node: Any, is_part: bool) -> None:
+        if not isinstance(node, dict):
+            return
+        if (_is_object_schema(node) and not is_part and not _intersects(node)
+                and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+            node["additionalProperties"] = False
+        for key in _SCHEMA_MAPS:
+            value = node.get(key)
+            if isinstance(value, dict):
+                for name, sub in value.items():
+                    close(sub, key in ("$defs", "definitions")
+                          and any(ref == prefix + name for ref in parts for prefix in _LOCAL_DEFS))
+        for key in _SCHEMA_LISTS:
+            value = node.get(key)
+            if isinstance(value, list):
+                members_are_parts = key in _COMBINATORS and _intersects(node)
+                for sub in value:
+                    close(sub, members_are_parts)
+        for key in _SCHEMA_VALUES:
+            value = node.get(key)
+            for sub in value if isinstance(value, list) else [value]:   # items: a schema or (old) a list
+                close(sub, False)
+
+    find_parts(schema)
+    close(schema, False)
+    return schema
+
+
+def _engine_grammar(kind: str, text: str, lenient: bool) -> str:
     """The llguidance grammar for a ResponseFormat's kind and text (may raise ValueError)."""
+    options = LENIENT_JSON_OPTIONS if lenient else COMPACT_JSON_OPTIONS
     if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            '{"type": "object"}', overrides=JSON_OPTIONS)
+        schema = json.loads(text) if lenient else close_objects(json.loads(text))
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    if kind == "json_object":    # any object: open whatever the mode
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
@@ -364,8 +474,7 @@ class GrammarCompiler:
         Raises InvalidRequestError (field: params.response_format.<kind>, the engine's
         message) for a format that does not compile or took over ``compile_timeout``;
         GrammarCompilerBusyError when no compile thread can be had."""
-        kind, text, field = _source(fmt)
-        key = (kind, text)
+        key, field = _source(fmt)
         hit = self._cached(key)
         if hit is not None:
             return hit
@@ -475,9 +584,9 @@ class GrammarCompiler:
     def _build(self, key: Key, field: str) -> CompiledGrammar:
         """In a compile thread: the engine's grammar, a matcher on it and its first mask
         (llguidance builds its lexer lazily: the first mask is the rest of the compile)."""
-        kind, text = key
+        kind, text, lenient = key
         try:
-            grammar = _engine_grammar(kind, text)
+            grammar = _engine_grammar(kind, text, lenient)
         except ValueError as exc:
             raise InvalidRequestError(field, _message(str(exc))) from None
         m = llguidance.LLMatcher(self.engine_tokenizer, grammar, log_level=0, limits=self._limits)

@@ -19,11 +19,14 @@ gets its HTTP status; an error after that arrives as one
 ``data: {"error": ...}`` event, then ``data: [DONE]``.
 
 Decisions (the OpenAI API leaves them to the server, or Jitney differs):
-  * ``model`` may be left out; when given it must be the served model's name
-    (Ready's ``model_name``, listed by /v1/models), else 404
-    ``model_not_found``, as OpenAI and vLLM answer.
+  * ``model`` may be left out; when given it must be one of the served
+    model's names (``--served-model-name``, repeatable; default the model's
+    own; all listed by /v1/models), else 404 ``model_not_found``, as OpenAI
+    and vLLM answer. Responses carry the first (primary) name, as vLLM's.
   * Defaults follow OpenAI, not Jitney's gRPC: ``temperature`` 1, and a
-    completion's ``max_tokens`` 16 (chat: up to the context length).
+    completion's ``max_tokens`` 16 (chat: up to the context length); the
+    model's generation config (``--generation-config``) replaces them, and
+    the other sampling defaults, where it sets a value.
   * Every request argument is either honoured or refused with 400 naming
     it: OpenAI's arguments that Jitney lacks (tools, audio, ...) say "is not
     supported", unknown ones "Unrecognized request argument". A JSON
@@ -69,6 +72,7 @@ from jitney.scheduler.engine import RequestHandle, StreamEvent
 from jitney.scheduler.metrics import Metrics, RequestRecord, request_log
 from jitney.scheduler.request import FinishReason
 from jitney.scheduler.auth import bearer_token
+from jitney.scheduler.config import SamplingDefaults
 from jitney.scheduler.security import ApiKeys
 from jitney.scheduler.server import GenerationServicer, RequestRefused, ServingState
 
@@ -177,8 +181,11 @@ class ParsedRequest:
         return s.n if s.HasField("n") else 1
 
 
-def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
-    """Translate a chat or completion request body; raises APIError (400)."""
+def parse_request(body: Any, *, chat: bool, defaults: SamplingDefaults | None = None) -> ParsedRequest:
+    """Translate a chat or completion request body; raises APIError (400).
+    Where ``defaults`` (the generation config's) has a value, OpenAI's own
+    default is left out: the servicer fills it in."""
+    defaults = defaults or SamplingDefaults()
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     args = {k: v for k, v in body.items() if v is not None}
@@ -210,9 +217,10 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
                 raise _bad(f"stream_options.{key}", "is not supported by Jitney",
                            code="unsupported_parameter")
         out.include_usage = _bool(options, "include_usage", "stream_options.") or False
-    _max_tokens(args, s, out)
+    _max_tokens(args, s, out, defaults)
     temperature = _number(args, "temperature")
-    s.temperature = 1.0 if temperature is None else temperature
+    if temperature is not None or defaults.temperature is None:
+        s.temperature = 1.0 if temperature is None else temperature
     _set(s, "top_p", _number(args, "top_p"))
     _set(s, "n", _int(args, "n", 0, UINT32_MAX))
     best_of = _int(args, "best_of", 0, UINT32_MAX)
@@ -319,7 +327,8 @@ def _completion_prompt(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
         raise _bad("prompt", "is required: a string or a list of token ids")
 
 
-def _max_tokens(args: Mapping[str, Any], s: pb.SamplingParams, out: ParsedRequest) -> None:
+def _max_tokens(args: Mapping[str, Any], s: pb.SamplingParams, out: ParsedRequest,
+                defaults: SamplingDefaults) -> None:
     value = _int(args, "max_tokens", 0, UINT32_MAX)
     name = "max_tokens"
     if out.chat:
@@ -328,7 +337,7 @@ def _max_tokens(args: Mapping[str, Any], s: pb.SamplingParams, out: ParsedReques
             if value is not None and value != newer:
                 raise _bad("max_completion_tokens", "differs from max_tokens: give one of them")
             value, name = newer, "max_completion_tokens"
-    elif value is None:
+    elif value is None and defaults.max_tokens is None:
         value = COMPLETION_DEFAULT_MAX_TOKENS
     out.names["max_tokens"] = name
     _set(s, "max_tokens", value)
@@ -397,6 +406,10 @@ def _response_format(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
         if not isinstance(schema, (dict, bool)):
             raise _bad("response_format.json_schema.schema", "is required: a JSON Schema object")
         p.response_format.json_schema = json.dumps(schema)
+        # Unset or true: compact output, objects closed unless they say otherwise
+        # (what OpenAI's strict mode guarantees). false: the schema's own meaning.
+        if _bool(spec, "strict", prefix="response_format.json_schema.") is False:
+            p.response_format.lenient_json = True
     else:
         raise _bad("response_format.type", f"{str(kind)[:32]!r} is not supported by Jitney "
                    "(text, json_object, json_schema)", code="unsupported_value")
@@ -718,9 +731,8 @@ class OpenAIServer:
             raise APIError(503, refusing or "the worker is not ready yet")
         return state
 
-    def _model_entry(self, state: ServingState) -> dict[str, Any]:
-        return {"id": state.ready.model_name, "object": "model", "created": self.created,
-                "owned_by": "jitney"}
+    def _model_entry(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "jitney"}
 
     def _tokens(self, state: ServingState) -> _TokenText:
         if self._token_text is None or self._token_text.tokenizer is not state.tokenizer:
@@ -734,14 +746,16 @@ class OpenAIServer:
 
     async def list_models(self, request: web.Request) -> web.Response:
         state = self._serving()
-        return web.json_response({"object": "list", "data": [self._model_entry(state)]})
+        return web.json_response({"object": "list",
+                                  "data": [self._model_entry(n) for n in self.servicer.served_names(state)]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         state = self._serving()
         name = request.match_info["model"]
-        if name != state.ready.model_name:
-            raise _model_not_found(name, state)
-        return web.json_response(self._model_entry(state))
+        names = self.servicer.served_names(state)
+        if name not in names:
+            raise _model_not_found(name, names)
+        return web.json_response(self._model_entry(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -757,16 +771,17 @@ class OpenAIServer:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         timeout = _timeout(request)
         state = self._serving()
-        parsed = parse_request(body, chat=chat)
+        parsed = parse_request(body, chat=chat, defaults=self.servicer.sampling_defaults)
         model = body.get("model")
-        if model is not None and model != state.ready.model_name:
-            raise _model_not_found(str(model), state)
+        names = self.servicer.served_names(state)
+        if model is not None and model not in names:
+            raise _model_not_found(str(model), names)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
         handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
-            fmt = _Formatter(parsed, response_id, state.ready.model_name, self._tokens(state), echo)
+            fmt = _Formatter(parsed, response_id, names[0], self._tokens(state), echo)
             events = _events(handle, record)
             if parsed.stream:
                 return await _stream(request, events, fmt, parsed)
@@ -793,9 +808,10 @@ class OpenAIServer:
         return handle, record, validated.prompt_token_ids
 
 
-def _model_not_found(name: str, state: ServingState) -> APIError:
-    return APIError(404, f"The model `{name[:128]}` does not exist: this server serves "
-                    f"`{state.ready.model_name}`", param="model", code="model_not_found")
+def _model_not_found(name: str, names: tuple[str, ...]) -> APIError:
+    served = ", ".join(f"`{n}`" for n in names)
+    return APIError(404, f"The model `{name[:128]}` does not exist: this server serves {served}",
+                    param="model", code="model_not_found")
 
 
 def _timeout(request: web.Request) -> float | None:

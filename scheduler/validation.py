@@ -42,6 +42,13 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0            # |bias| (OpenAI's range)
 MAX_LOGPROBS = 20                 # top_logprobs and prompt_logprobs alternatives
 MAX_SAMPLES = 16                  # n
+# max_tokens of a constrained request (any response_format) that sets none,
+# capped by the room the context leaves. A grammar keeps the output valid but
+# cannot make a model end it: a small model inside a long string or an open
+# array may go on until the context is full (minutes on a CPU, for an output
+# that then ends LENGTH anyway). Structured replies are tens to hundreds of
+# tokens; a request that wants more sets max_tokens.
+CONSTRAINED_DEFAULT_MAX_TOKENS = 1024
 
 
 class InvalidRequestError(ValueError):
@@ -92,7 +99,8 @@ def validate_generation(
     request_id = _request_id(params.request_id)
     prompt = render_prompt(params, tokenizer, limits, path="params")
     _check_prompt_fits(len(prompt), limits, f"params.{params.WhichOneof('prompt')}")
-    sampling = _sampling(params.sampling, len(prompt), limits, new_seed)
+    sampling = _sampling(params.sampling, len(prompt), limits, new_seed,
+                         constrained=params.HasField("response_format"))
     return ValidatedRequest(tuple(prompt), sampling, request_id, _priority(params),
                             cache_salt=_cache_salt(params.cache_salt))
 
@@ -222,6 +230,8 @@ def _sampling(
     prompt_len: int,
     limits: ModelLimits,
     new_seed: Callable[[], int],
+    *,
+    constrained: bool = False,
 ) -> SamplingOptions:
     f = "params.sampling"
     options = SamplingOptions(
@@ -229,7 +239,7 @@ def _sampling(
         top_p=_top_p(s, f"{f}.top_p"),
         top_k=_top_k(s, limits, f"{f}.top_k"),
         seed=s.seed if s.HasField("seed") else new_seed(),
-        max_tokens=_max_tokens(s, prompt_len, limits, f"{f}.max_tokens"),
+        max_tokens=_max_tokens(s, prompt_len, limits, f"{f}.max_tokens", constrained),
         stop=_stop_strings(s.stop, limits, f"{f}.stop"),
         stop_token_ids=_stop_token_ids(s.stop_token_ids, limits, f"{f}.stop_token_ids"),
         ignore_eos=s.ignore_eos,
@@ -332,11 +342,12 @@ def _top_k(s: generation_pb2.SamplingParams, limits: ModelLimits, field: str) ->
 
 
 def _max_tokens(
-    s: generation_pb2.SamplingParams, prompt_len: int, limits: ModelLimits, field: str
+    s: generation_pb2.SamplingParams, prompt_len: int, limits: ModelLimits, field: str,
+    constrained: bool = False,
 ) -> int:
     room = limits.context_length - prompt_len  # >= 1: the prompt was checked
     if not s.HasField("max_tokens"):
-        return room
+        return min(room, CONSTRAINED_DEFAULT_MAX_TOKENS) if constrained else room
     n = s.max_tokens
     if n < 1:
         raise InvalidRequestError(field, f"must be at least 1, got {n}")

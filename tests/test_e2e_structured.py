@@ -1,11 +1,14 @@
-"""Structured output end to end: `jitney serve` with the default model
-(SmolLM2-135M-Instruct), constrained requests over gRPC.
+"""Structured output end to end: `jitney serve --openai-port P` with the
+default model (SmolLM2-135M-Instruct), constrained requests over gRPC.
 
 Each ResponseFormat kind once (json_schema greedy and sampled, json_object,
 regex, choice, an EBNF grammar), the INVALID_ARGUMENT answers to formats that
 do not compile, a constrained output cut by max_tokens, and constrained and
-unconstrained requests in one batch. Outputs are short and few: the module
-runs in well under a minute on 2 CPU cores, most of it the server's start.
+unconstrained requests in one batch; and the README's two structured-output
+examples as a user runs them (`jitney generate --json-schema`, the OpenAI
+client's json_object), which once streamed whitespace and repeated keys until
+the context was full. Outputs are short and few: the module runs in well
+under a minute on 2 CPU cores, most of it the server's start.
 The greedy and seeded outputs are batch-invariant on the CPU, so a request's
 output alone is also its output in a batch.
 """
@@ -14,6 +17,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,10 +28,11 @@ import grpc
 import jsonschema
 import pytest
 
-from bench.server_harness import Server
+from bench.server_harness import ROOT, Server, free_port, running_server
 from jitney.client.client import Sampling, make_params, response_format
 from jitney.v1 import generation_pb2 as pb
 from tests.test_e2e import wait_idle
+from tests.test_grammar import free_whitespace
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +59,15 @@ name ::= [A-Z] [a-z]{1,10}
 GRAMMAR_AS_REGEX = r"(Hello|Hi) [A-Z][a-z]{1,10}!"
 
 
+OPENAI_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
-def server(default_server: Server) -> Server:
-    return default_server     # shared: the default model's server starts once per session
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default model with the OpenAI door open, as the README starts it (its own
+    server: the session's shared default_server has no --openai-port)."""
+    with running_server(["--openai-port", str(OPENAI_PORT)], tmp_path_factory.mktemp("structured")) as srv:
+        yield srv
 
 
 def params(prompt: str, constraint: pb.ResponseFormat | None, max_tokens: int, **sampling: Any) -> pb.GenerationParams:
@@ -210,3 +224,80 @@ def test_sampled_choice_whatever_the_seed(server: Server) -> None:
                                     temperature=0.8, seed=72))
     assert reply.usage.prompt_tokens == 36      # the position the seed was chosen for
     assert_choice(reply)
+
+
+# -- the README's examples ------------------------------------------------------------------
+
+README_SCHEMA = ('{"type":"object","properties":{"city":{"type":"string"},"country":{"type":"string"}},'
+                 '"required":["city","country"]}')
+HANG_GUARD_S = 60     # a runaway took 391 s; these take a few seconds
+
+
+def jitney_generate(server: Server, *args: str) -> tuple[str, float]:
+    """`jitney generate ... --target` as a subprocess: (stdout, seconds)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "jitney.cli", "generate", *args, "--target", server.target],
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S * 2)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    return done.stdout, elapsed
+
+
+def test_readme_cli_json_schema_example(server: Server) -> None:
+    args = ["Name a city and its country.", "--chat", "--json-schema", README_SCHEMA]
+    shown, elapsed = jitney_generate(server, *args)                    # as the README runs it
+    assert elapsed < HANG_GUARD_S
+    doc = shown.removesuffix("\n")
+    jsonschema.validate(json.loads(doc), json.loads(README_SCHEMA))
+    assert free_whitespace(doc) == [] and doc.startswith('{"city": "') and "\n" not in doc
+    assert set(json.loads(doc)) == {"city", "country"}                # closed: no other keys
+    result, elapsed = jitney_generate(server, *args, "--json")
+    assert elapsed < HANG_GUARD_S
+    reply = json.loads(result)
+    assert reply["finish_reason"] == "end_of_sequence" and reply["text"] == doc    # greedy: the same
+    assert reply["usage"]["completion_tokens"] < 64
+
+
+def test_cli_lenient_json_lets_whitespace_back(server: Server) -> None:
+    """--lenient-json reaches the grammar: the same greedy request, now free to lay
+    the document out, does (this model opens with a newline and an indent)."""
+    result, _ = jitney_generate(server, "Name a city and its country.", "--chat", "--json-schema", README_SCHEMA,
+                                "--lenient-json", "--max-tokens", "8", "--json")
+    reply = json.loads(result)
+    assert reply["finish_reason"] == "length" and len(reply["token_ids"]) == 8
+    assert free_whitespace(reply["text"]), reply["text"]
+    done = subprocess.run([sys.executable, "-m", "jitney.cli", "generate", "x", "--regex", "a+", "--lenient-json",
+                           "--target", server.target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--lenient-json goes with --json-schema or --json-object" in done.stderr
+
+
+def test_readme_openai_json_object_example(server: Server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{OPENAI_PORT}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    readme = dict(model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=32,
+                  response_format={"type": "json_object"})
+    # Greedy: one output, which must be a whole compact object.
+    started = time.monotonic()
+    reply = client.chat.completions.create(temperature=0, **readme)  # type: ignore[call-overload]
+    assert time.monotonic() - started < HANG_GUARD_S
+    (choice,) = reply.choices
+    text = choice.message.content or ""
+    assert choice.finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), {"type": "object"})
+    assert free_whitespace(text) == [], text
+    # As the README has it (temperature 1, a seed drawn per request): whatever is drawn,
+    # compact and quick; an output that stopped is an object, one that did not is 32 tokens.
+    started = time.monotonic()
+    for _ in range(4):
+        reply = client.chat.completions.create(**readme)  # type: ignore[call-overload]
+        (choice,) = reply.choices
+        text = choice.message.content or ""
+        assert free_whitespace(text) == [], text
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert choice.finish_reason == "length" and reply.usage is not None
+            assert reply.usage.completion_tokens == 32
+    assert time.monotonic() - started < HANG_GUARD_S

@@ -504,6 +504,32 @@ def test_bad_requests(client: openai.OpenAI) -> None:
     assert err2.value.param == "prompt[0]"
 
 
+def test_json_schema_strict_false_asks_for_lenient_json(client: openai.OpenAI) -> None:
+    def fmt(**spec: Any) -> Any:
+        parsed = parse_request({"messages": MESSAGES, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, **spec}}}, chat=True)
+        return parsed.params.response_format
+
+    # Unset, null or true: compact output, closed objects (the gRPC default); false: lenient.
+    assert [fmt(**spec).lenient_json for spec in ({}, {"strict": None}, {"strict": True}, {"strict": False})] == \
+        [False, False, False, True]
+    assert json.loads(fmt(strict=False).json_schema) == SCHEMA
+    assert not parse_request({"messages": MESSAGES, "response_format": {"type": "json_object"}},
+                             chat=True).params.response_format.lenient_json
+    for strict in ("false", 0, 1, [True], {"strict": True}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, response_format={
+                "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": strict}})
+        assert err.value.status_code == 400
+        assert err.value.param == "response_format.json_schema.strict", strict
+        assert "response_format.json_schema.strict" in err.value.message
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": False}})
+    assert json.loads(reply.choices[0].message.content or "") == {"answer": "yes"}
+    assert reply.choices[0].finish_reason == "stop"
+
+
 def test_cancelled_stream_frees_the_request(client: openai.OpenAI, server: Harness) -> None:
     server.worker.step_seconds = 0.01            # 400 tokens would take 4 s
     cancelled = server.failures("CANCELLED")
