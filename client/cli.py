@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -70,8 +72,12 @@ def _generate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     gen.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                      help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
     gen.add_argument("--min-tokens", type=int, default=None)
-    gen.add_argument("--top-logprobs", type=int, default=None, help="return the N most likely tokens per step")
-    gen.add_argument("--prompt-logprobs", type=int, default=None, help="return the prompt's logprobs, N alternatives")
+    gen.add_argument("--logprobs", action="store_true",
+                     help="with --json: each generated token's logprob and text (implied by --top-logprobs)")
+    gen.add_argument("--top-logprobs", type=int, default=None,
+                     help="with --json: also the N most likely tokens at each step")
+    gen.add_argument("--prompt-logprobs", type=int, default=None,
+                     help="with --json: each prompt token's logprob and text, and N alternatives")
     gen.add_argument("-n", "--n", type=int, default=None, help="number of samples (1..16)")
     fmt = gen.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE", help="output matches this JSON schema")
@@ -79,7 +85,13 @@ def _generate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     fmt.add_argument("--regex", default=None, help="output matches this regular expression")
     fmt.add_argument("--choice", action="append", default=[], help="output is one of these (repeatable)")
     fmt.add_argument("--grammar", default=None, metavar="EBNF|@FILE", help="output matches this EBNF grammar")
-    gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    gen.add_argument("--lenient-json", action="store_true",
+                     help="with --json-schema or --json-object: the schema's own semantics (objects without "
+                          "additionalProperties stay open) and whitespace between tokens, instead of compact "
+                          "output with closed objects")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON document at the end instead of streaming: every sample's text, "
+                          "token ids, finish reason and (if asked) logprobs, prompt logprobs, usage")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
 
 
@@ -122,51 +134,167 @@ def cmd_generate(ns: argparse.Namespace, tls: TlsFiles | None, api_key: str | No
     except ValueError:
         print(f"jitney: --logit-bias takes ID=BIAS, got {ns.logit_bias}", file=sys.stderr)
         return 2
+    # Set, 0 included, it also brings each generated token's text.
+    top_logprobs = ns.top_logprobs if ns.top_logprobs is not None else (0 if ns.logprobs else None)
     sampling = Sampling(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed,
                         max_tokens=ns.max_tokens, stop=ns.stop, stop_token_ids=ns.stop_token_id,
                         ignore_eos=ns.ignore_eos, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
                         presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
-                        logit_bias=bias, min_tokens=ns.min_tokens, top_logprobs=ns.top_logprobs,
+                        logit_bias=bias, min_tokens=ns.min_tokens, top_logprobs=top_logprobs,
                         prompt_logprobs=ns.prompt_logprobs, n=ns.n)
     constraint = response_format(json_schema=_text_or_file(ns.json_schema), json_object=ns.json_object,
                                  regex=ns.regex, choices=ns.choice, grammar=_text_or_file(ns.grammar))
+    if ns.lenient_json:
+        if constraint is None or constraint.WhichOneof("format") not in ("json_schema", "json_object"):
+            print("jitney: --lenient-json goes with --json-schema or --json-object", file=sys.stderr)
+            return 2
+        constraint.lenient_json = True
     params = make_params(ns.prompt, chat=ns.chat, sampling=sampling, constraint=constraint)
     n = ns.n or 1
-    samples: list[dict] = [{"index": i, "text": "", "token_ids": [], "finish_reason": "unspecified"}
-                           for i in range(n)]
-    last = None
+    result = _Result(n, logprobs=ns.logprobs or ns.top_logprobs is not None, top=ns.top_logprobs or 0,
+                     prompt_top=ns.prompt_logprobs or 0)
+    relay = None if ns.json or n == 1 else _SampleRelay(n, sys.stdout)
     with JitneyClient(ns.target, tls=tls, api_key=api_key) as client:
         try:
             for msg in client.generate_stream(params, timeout=ns.timeout):
-                sample = samples[msg.sample_index]
-                sample["text"] += msg.text
-                sample["token_ids"].extend(msg.token_ids)
-                if msg.top_logprobs:
-                    sample.setdefault("top_logprobs", []).extend(
-                        [dict(zip(t.token_ids, t.logprobs)) for t in msg.top_logprobs])
-                if msg.finish_reason:
-                    sample["finish_reason"] = FINISH_REASON_NAMES.get(msg.finish_reason, "unspecified")
-                if msg.prompt_logprobs:
-                    samples[0]["prompt_logprobs"] = [
-                        p.logprob if p.HasField("logprob") else None for p in msg.prompt_logprobs]
-                last = msg
-                if not ns.json and n == 1:
+                result.add(msg)
+                if ns.json:
+                    continue
+                if relay is None:
                     print(msg.text, end="", flush=True)
+                    continue
+                relay.text(msg.sample_index, msg.text)
+                if msg.finish_reason:
+                    relay.finish(msg.sample_index, FINISH_REASON_NAMES.get(msg.finish_reason, "unspecified"))
         except grpc.RpcError as err:
             print(f"\njitney: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
-    assert last is not None
     if ns.json:
-        usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
-                 "cached_prompt_tokens": last.usage.cached_prompt_tokens}
-        print(json.dumps({**samples[0], "samples": samples, "usage": usage} if n > 1
-                         else {**samples[0], "usage": usage}))
-    elif n > 1:
-        for sample in samples:
-            print(f"--- sample {sample['index']} ({sample['finish_reason']}) ---\n{sample['text']}")
-    else:
+        print(json.dumps(result.document(), ensure_ascii=False))
+    elif relay is None:
         print()
     return 0
+
+
+class _SampleRelay:
+    """Prints the text of n samples as it arrives, one sample at a time, so
+    that samples generated side by side do not interleave on the terminal:
+    the lowest-numbered sample not yet printed streams live; the others are
+    held until their turn (then their text so far at once, and on live).
+
+        --- sample 0 ---
+        ...text...
+        --- end of sample 0 (length) ---
+        --- sample 1 ---
+    """
+
+    def __init__(self, n: int, out: Any) -> None:
+        self.out = out
+        self.held = [""] * n
+        self.reasons: list[str | None] = [None] * n
+        self.live = -1          # the sample now printing; -1: none yet
+        self.at_line_start = True
+
+    def text(self, index: int, text: str) -> None:
+        if self.live < 0:
+            self._start(0)
+        if index == self.live:
+            self._write(text)
+        else:
+            self.held[index] += text
+
+    def finish(self, index: int, reason: str) -> None:
+        if self.live < 0:
+            self._start(0)
+        self.reasons[index] = reason
+        while self.live < len(self.held) and self.reasons[self.live] is not None:
+            self._write("" if self.at_line_start else "\n")
+            self._write(f"--- end of sample {self.live} ({self.reasons[self.live]}) ---\n")
+            if self.live + 1 < len(self.held):
+                self._start(self.live + 1)
+            else:
+                self.live += 1
+
+    def _start(self, index: int) -> None:
+        self.live = index
+        self._write(f"--- sample {index} ---\n")
+        self._write(self.held[index])
+        self.held[index] = ""
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.at_line_start = text.endswith("\n")
+
+
+def _logprob(value: float) -> float | None:
+    """JSON has no infinities: a -inf logprob (a token the model rules out) is null."""
+    return value if math.isfinite(value) else None
+
+
+def _alternatives(top: Any) -> list[dict[str, Any]]:
+    """A TopLogprobs as [{token_id, token, logprob}] (token null from a server that sends no texts)."""
+    texts = list(top.tokens) or [None] * len(top.token_ids)
+    return [{"token_id": t, "token": text, "logprob": _logprob(lp)}
+            for t, text, lp in zip(top.token_ids, texts, top.logprobs)]
+
+
+class _Result:
+    """Everything a GenerateStream call returned, as the one JSON document of
+    `jitney generate --json` (its shape: README, "Use it"). ``logprobs``: each
+    sample gets a per-token ``logprobs`` list (``top`` alternatives each, when
+    > 0); ``prompt_top``: the prompt's alternatives per token."""
+
+    def __init__(self, n: int, *, logprobs: bool, top: int, prompt_top: int) -> None:
+        self.logprobs, self.top, self.prompt_top = logprobs, top, prompt_top
+        self.samples: list[dict[str, Any]] = []
+        for i in range(n):
+            sample: dict[str, Any] = {"index": i, "text": "", "token_ids": [], "finish_reason": "unspecified"}
+            if logprobs:
+                sample["logprobs"] = []
+            self.samples.append(sample)
+        self.request_id = ""
+        self.prompt_logprobs: list[dict[str, Any]] | None = None
+        self.usage: dict[str, int] = {}
+
+    def add(self, msg: Any) -> None:
+        from jitney.client.client import FINISH_REASON_NAMES
+
+        self.request_id = msg.request_id
+        sample = self.samples[msg.sample_index]
+        sample["text"] += msg.text
+        sample["token_ids"].extend(msg.token_ids)
+        if self.logprobs:
+            texts = list(msg.tokens) or [None] * len(msg.token_ids)
+            for i, (token, text, lp) in enumerate(zip(msg.token_ids, texts, msg.logprobs)):
+                entry: dict[str, Any] = {"token_id": token, "token": text, "logprob": _logprob(lp)}
+                if self.top:
+                    entry["top_logprobs"] = _alternatives(msg.top_logprobs[i]) if i < len(msg.top_logprobs) else []
+                sample["logprobs"].append(entry)
+        if msg.finish_reason:
+            sample["finish_reason"] = FINISH_REASON_NAMES.get(msg.finish_reason, "unspecified")
+        if msg.prompt_logprobs:
+            self.prompt_logprobs = []
+            for p in msg.prompt_logprobs:
+                entry = {"token_id": p.token_id, "token": p.token or None,
+                         "logprob": _logprob(p.logprob) if p.HasField("logprob") else None}
+                if self.prompt_top:
+                    entry["top_logprobs"] = _alternatives(p.top)
+                self.prompt_logprobs.append(entry)
+        if msg.HasField("usage"):
+            self.usage = {"prompt_tokens": msg.usage.prompt_tokens,
+                          "completion_tokens": msg.usage.completion_tokens,
+                          "cached_prompt_tokens": msg.usage.cached_prompt_tokens}
+
+    def document(self) -> dict[str, Any]:
+        first = self.samples[0]
+        doc: dict[str, Any] = {"request_id": self.request_id, "text": first["text"], "token_ids": first["token_ids"],
+                               "finish_reason": first["finish_reason"], "samples": self.samples}
+        if self.prompt_logprobs is not None:
+            doc["prompt_logprobs"] = self.prompt_logprobs
+        doc["usage"] = self.usage
+        return doc
 
 
 def _text_or_file(value: str | None) -> str | None:

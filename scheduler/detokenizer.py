@@ -24,6 +24,7 @@ that could be the start of a stop string is held back (at most
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,3 +244,23 @@ def _special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", {})
     ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
     return frozenset(ids)
+
+
+class TokenTexts:
+    """Each token id's text decoded alone (for logprobs), cached: at most a
+    vocabulary's worth, and the same few thousand ids recur.
+
+    A token holding part of a UTF-8 character decodes to U+FFFD."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._cache.get(token)
+        if text is None:
+            text = self._cache[token] = str(self.tokenizer.decode([token]))
+        return text
+
+    def many(self, tokens: Iterable[int]) -> list[str]:
+        return [self(t) for t in tokens]

@@ -235,7 +235,8 @@ def _grpcurl_by_reflection(argv: list[str]) -> str:
 
 # --- comparing ---------------------------------------------------------------
 
-SAMPLE_HEADER = re.compile(r"^--- sample (\d+) \((\w+)\) ---$", re.M)
+SAMPLE_HEADER = re.compile(r"^--- sample (\d+) ---$", re.M)
+SAMPLE_END = re.compile(r"^--- end of sample (\d+) \((\w+)\) ---$\n?", re.M)   # not part of the text
 
 
 def is_sampled(ex: Example) -> bool:
@@ -271,7 +272,7 @@ def _shape_mismatch(shown: str, actual: str) -> str | None:
         return f"sample headers {shown_heads} shown, {actual_heads} printed:\n{actual}"
     heads = list(SAMPLE_HEADER.finditer(actual))
     ends = [h.start() for h in heads[1:]] + [len(actual)]
-    texts = [actual[h.end():end] for h, end in zip(heads, ends)] if heads else [actual]
+    texts = [SAMPLE_END.sub("", actual[h.end():end]) for h, end in zip(heads, ends)] if heads else [actual]
     if any(not t.strip() for t in texts):
         return f"an empty sample:\n{actual}"
     return None
@@ -308,9 +309,17 @@ def shown_form(ex: Example, actual: str) -> str:
         return actual if actual.endswith("\n") else actual + "\n"
     if not isinstance(obj, dict):
         return actual
-    parts = [f"{json.dumps(k)}: " + ("[...]" if k == "token_ids" else json.dumps(v, ensure_ascii=False))
+    parts = [f"{json.dumps(k)}: " + ("[...]" if k in ELIDED else _elided(json.dumps(v, ensure_ascii=False)))
              for k, v in obj.items()]
     return "{" + ",\n ".join(parts) + "}\n"
+
+
+ELIDED = ("token_ids", "request_id")     # ids that differ by build or call
+
+
+def _elided(text: str) -> str:
+    """Nested token id lists (the samples') as `[...]` too."""
+    return re.sub(r'("token_ids": )\[[^\]]*\]', r"\1[...]", text)
 
 
 # --- the test ------------------------------------------------------------------
@@ -371,10 +380,15 @@ def test_the_comparison_can_fail() -> None:
     assert mismatch(shown_json, '{"text": "a", "token_ids": [1, 2], "n": 4}') is not None
     assert mismatch(shown_json, '{"text": "a", "token_ids": [1], "n": 3, "extra": 1}') is not None
     sampled = Example("shell", "jitney generate x -n 2 --temperature 0.9",
-                      "--- sample 0 (length) ---\nab\n--- sample 1 (stop) ---\ncd\n", 1)
-    assert mismatch(sampled, "--- sample 0 (stop) ---\nzz\n--- sample 1 (length) ---\nyy\n") is None
-    assert mismatch(sampled, "--- sample 0 (stop) ---\nzz\n") is not None
-    assert mismatch(sampled, "--- sample 0 (stop) ---\n\n--- sample 1 (length) ---\nyy\n") is not None
+                      "--- sample 0 ---\nab\n--- end of sample 0 (length) ---\n"
+                      "--- sample 1 ---\ncd\n--- end of sample 1 (stop) ---\n", 1)
+    assert mismatch(sampled, "--- sample 0 ---\nzz\n--- end of sample 0 (stop) ---\n"
+                             "--- sample 1 ---\nyy\n--- end of sample 1 (length) ---\n") is None
+    assert mismatch(sampled, "--- sample 0 ---\nzz\n--- end of sample 0 (stop) ---\n") is not None
+    assert mismatch(sampled, "--- sample 0 ---\n\n--- end of sample 0 (stop) ---\n"
+                             "--- sample 1 ---\nyy\n--- end of sample 1 (length) ---\n") is not None
+    assert shown_form(shown_json, '{"request_id": "ab12", "token_ids": [1], "samples": [{"token_ids": [1, 2]}]}') \
+        == '{"request_id": [...],\n "token_ids": [...],\n "samples": [{"token_ids": [...]}]}\n'
 
 
 # --- regenerating ----------------------------------------------------------------
