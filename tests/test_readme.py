@@ -251,7 +251,7 @@ def mismatch(ex: Example, actual: str) -> str | None:
     assert ex.shown is not None
     if ex.kind == "shell" and is_sampled(ex):
         return _shape_mismatch(ex.shown, actual)
-    shown_json = _shown_json(ex.shown)
+    shown_json = _shown_json(ex.shown) if prints_json_document(ex) else None
     if shown_json is not None:
         try:
             actual_json = json.loads(actual)
@@ -263,6 +263,11 @@ def mismatch(ex: Example, actual: str) -> str | None:
     if re.fullmatch(pattern, actual.rstrip("\n"), re.S):
         return None
     return f"shown:\n{ex.shown}\nprinted:\n{actual}"
+
+
+def prints_json_document(ex: Example) -> bool:
+    """A `jitney` client command with `--json`: its output is compared as JSON."""
+    return ex.kind == "shell" and "--json" in shlex.split(ex.source)
 
 
 def _shape_mismatch(shown: str, actual: str) -> str | None:
@@ -301,12 +306,16 @@ def _json_matches(shown: object, actual: object) -> bool:
 
 
 def shown_form(ex: Example, actual: str) -> str:
-    """What the README should show for ``actual`` (``--write``): JSON one line per
-    top-level key, with token id lists elided as `[...]`; text as printed."""
+    """What the README should show for ``actual`` (``--write``): a `--json`
+    document one line per top-level key, with ids elided as `[...]`; anything
+    else as printed (a structured output's own layout is part of what it shows)."""
+    as_printed = actual if actual.endswith("\n") else actual + "\n"
+    if not prints_json_document(ex):
+        return as_printed
     try:
         obj = json.loads(actual)
     except json.JSONDecodeError:
-        return actual if actual.endswith("\n") else actual + "\n"
+        return as_printed
     if not isinstance(obj, dict):
         return actual
     parts = [f"{json.dumps(k)}: " + ("[...]" if k in ELIDED else _elided(json.dumps(v, ensure_ascii=False)))
@@ -379,6 +388,9 @@ def test_the_comparison_can_fail() -> None:
     assert mismatch(shown_json, '{"text": "a", "token_ids": [1, 2], "n": 3}') is None
     assert mismatch(shown_json, '{"text": "a", "token_ids": [1, 2], "n": 4}') is not None
     assert mismatch(shown_json, '{"text": "a", "token_ids": [1], "n": 3, "extra": 1}') is not None
+    structured = Example("shell", "jitney generate x --json-schema S", '{"city": "Lyon"}\n', 1)
+    assert mismatch(structured, '{"city": "Lyon"}\n') is None
+    assert mismatch(structured, '{\n  "city": "Lyon"\n}\n') is not None    # the layout counts
     sampled = Example("shell", "jitney generate x -n 2 --temperature 0.9",
                       "--- sample 0 ---\nab\n--- end of sample 0 (length) ---\n"
                       "--- sample 1 ---\ncd\n--- end of sample 1 (stop) ---\n", 1)
