@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import llama_server  # noqa: E402
 from bench.report import _table  # noqa: E402
-from bench.run_benchmarks import SHARED, computed_prompt_tokens, run_server_case  # noqa: E402
+from bench.run_benchmarks import WORKLOADS, computed_prompt_tokens, run_server_case  # noqa: E402
 from jitney.client.bench import WorkItem, load_workload  # noqa: E402
 from jitney.scheduler.trace import read_trace  # noqa: E402
 from jitney.worker.model import ModelConfig  # noqa: E402
@@ -384,7 +384,7 @@ def limited(path: Path, limit: int | None, workdir: Path) -> Path:
 
 
 def smoke_setup(workdir: Path) -> tuple[str, dict[str, Path]]:
-    """A tiny random Llama and two small workloads in the shared files' format."""
+    """A tiny random Llama and two small workloads in the format of bench/workloads/."""
     from bench.tiny_models import make_tiny_llama
 
     model = make_tiny_llama(workdir / "tiny-model", max_position_embeddings=512)
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
 
     model: str | None = None
-    workloads = {name: SHARED / name for name in ("offline-64.jsonl", "online-64.jsonl")}
+    workloads = {name: WORKLOADS / name for name in ("offline-64.jsonl", "online-64.jsonl")}
     model_flags: list[str] = []
     if args.smoke:
         model, workloads = smoke_setup(args.workdir)

@@ -1282,8 +1282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer folder to copy into each checkpoint (default: a byte-level BPE of 49152 "
                         "tokens made here, like bench/tiny_models.py's; on the GPU machine .device-kit/tok)")
-    p.add_argument("--workload-dir", default=str(ROOT.parent / "shared" / "bench"), metavar="DIR",
-                   help="folder of offline-64.jsonl (default: ../shared/bench)")
+    p.add_argument("--workload-dir", default=str(ROOT / "bench" / "workloads"), metavar="DIR",
+                   help="folder of offline-64.jsonl (default: bench/workloads)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64],
                    help="decode batch sizes (default 1 16 64; with --limit N, capped at N/2)")

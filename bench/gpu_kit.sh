@@ -13,5 +13,5 @@ ver() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   -d .device-kit/whl "llguidance==$(ver llguidance)"
-mkdir -p .device-kit/bench && cp ../shared/bench/*.jsonl .device-kit/bench/
+mkdir -p .device-kit/bench && cp bench/workloads/*.jsonl .device-kit/bench/
 ls .device-kit/whl

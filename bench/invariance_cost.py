@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/invariance_cost.py [--baseline-python PY] [--repeat 2] [--json FILE]
 
-Cases, each a fresh `jitney serve` replaying ../shared/bench/offline-64.jsonl
+Cases, each a fresh `jitney serve` replaying bench/workloads/offline-64.jsonl
 with `jitney bench` (greedy, ignore_eos, exactly max_tokens per request):
 
     invariant   this checkout, default flags (batch-invariant kernels on the CPU)
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.server_harness import running_server  # noqa: E402
 
-WORKLOAD = ROOT.parent / "shared" / "bench" / "offline-64.jsonl"
+WORKLOAD = ROOT / "bench" / "workloads" / "offline-64.jsonl"
 
 
 def run_case(python: str, flags: list[str], workload: Path, workdir: Path, tag: str) -> dict[str, Any]:

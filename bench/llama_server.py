@@ -1,6 +1,6 @@
 """llama.cpp's `llama-server` as a side-by-side baseline (optional: only where the binary is on the PATH).
 
-Replays a workload of ../shared/bench over llama-server's native ``/completion``
+Replays a workload of bench/workloads/ over llama-server's native ``/completion``
 endpoint, streamed, with the same rules as `jitney bench`: prompt token ids as
 they are, greedy, ``ignore_eos``, exactly ``max_tokens`` tokens, each request
 sent at its ``arrival_s``. The summary has `jitney bench`'s keys

@@ -11,7 +11,7 @@ HEADER = """# Benchmarks
 Written by `bench/run_benchmarks.py` from one run: every case below ran side
 by side on the same machine in the same session, so ratios between them are
 meaningful; absolute figures move with the machine's load. Workloads are the
-files of `../shared/bench` as they are; every request is greedy with
+files of `bench/workloads/` as they are; every request is greedy with
 `ignore_eos` and must receive exactly `max_tokens` tokens (errors would be
 counted). Default model: SmolLM2-135M-Instruct (bundled GGUF), default flags
 unless listed (`--dtype auto`: bf16 on this CPU).
@@ -20,7 +20,7 @@ Reproduce: `.venv/bin/python bench/run_benchmarks.py` (all cases, ~15 min), or
 `--only continuous static-8` for some. One case by hand:
 
     jitney serve --trace /tmp/t.jsonl &          # flags of the case
-    jitney bench --workload ../shared/bench/offline-64.jsonl --json /tmp/r.json
+    jitney bench --workload bench/workloads/offline-64.jsonl --json /tmp/r.json
 
 The GPU figures (`bench/gpu.py`, on an H100/H200) are in [benchmarks-gpu.md](benchmarks-gpu.md).
 

@@ -1,6 +1,6 @@
 """`jitney router` against one replica: prefix-cache hit rate and TTFT.
 
-    python bench/router.py [--workload ../shared/bench/prefix-64.jsonl] [--groups 16]
+    python bench/router.py [--workload bench/workloads/prefix-64.jsonl] [--groups 16]
                            [--threads 1] [--out FILE.md]
 
 For each workload, three set-ups in one run, each on freshly started
@@ -48,7 +48,7 @@ SETUPS = ("single", "cache-aware", "round-robin")
 def grouped_workload(groups: int, per_group: int = 4, prefix_len: int = 384, seed: int = 0) -> list[WorkItem]:
     """``groups`` prefixes of ``prefix_len`` tokens, ``per_group`` requests each,
     in a seeded random order, all arriving at 0; bodies and outputs drawn like
-    ../shared/bench/workload.py's (medians 64 and 32). (Not interleaved in
+    bench/workloads/generate.py's prefix-64 (medians 64 and 32). (Not interleaved in
     turn: with an even number of groups, round-robin over two replicas would
     then send every group to one replica by accident.)"""
     rng = random.Random(seed)
@@ -117,7 +117,7 @@ def table(name: str, rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "prefix-64.jsonl")
+    p.add_argument("--workload", type=Path, default=ROOT / "bench" / "workloads" / "prefix-64.jsonl")
     p.add_argument("--groups", type=int, default=16, help="prefixes of the generated workload (0: none)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown here")

@@ -4,7 +4,7 @@
     .venv/bin/python bench/run_benchmarks.py [--only NAME ...] [--out docs/benchmarks.md]
 
 Each case starts a fresh `jitney serve` with its flags, replays a workload of
-../shared/bench with `jitney bench` (every request greedy, ignore_eos, exactly
+bench/workloads/ with `jitney bench` (every request greedy, ignore_eos, exactly
 max_tokens), records the summary, and stops the server. The Hugging Face
 baseline runs transformers' `generate` on the same requests in static batches
 of 8 (fp32, left padding). Ratios are computed between cases of this one run.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "bench"
+WORKLOADS = ROOT / "bench" / "workloads"
 sys.path.insert(0, str(ROOT))
 
 from bench.report import render  # noqa: E402
@@ -89,7 +89,7 @@ def run_hf_baseline(items: list[WorkItem], batch_size: int = 8) -> dict[str, Any
 
 
 def make_workload(name: str, workdir: Path) -> Path:
-    """Workloads not in ../shared/bench, made with its generator.
+    """Workloads not shipped in bench/workloads/, made with its generator.
 
     streams-32x128: 32 requests at t = 0, prompts as offline-64's (median 128
     tokens), each exactly 128 output tokens (an out-median far above the cap).
@@ -97,7 +97,7 @@ def make_workload(name: str, workdir: Path) -> Path:
     if name != "streams-32x128.jsonl":
         raise ValueError(f"unknown workload {name}")
     path = workdir / name
-    text = subprocess.run([sys.executable, str(SHARED / "workload.py"), "-n", "32", "--out-median", "1000000",
+    text = subprocess.run([sys.executable, str(WORKLOADS / "generate.py"), "random", "-n", "32", "--out-median", "1000000",
                            "--out-max", "128"], check=True, capture_output=True, text=True).stdout
     path.write_text(text)
     return path
@@ -131,10 +131,10 @@ def main() -> int:
     results: dict[str, Any] = {}
     for name in wanted:
         if name == "hf-generate":
-            results[name] = run_hf_baseline(load_workload(SHARED / "offline-64.jsonl"))
+            results[name] = run_hf_baseline(load_workload(WORKLOADS / "offline-64.jsonl"))
         else:
             workload, flags = CASES[name]
-            path = SHARED / workload if (SHARED / workload).exists() else make_workload(workload, args.workdir)
+            path = WORKLOADS / workload if (WORKLOADS / workload).exists() else make_workload(workload, args.workdir)
             results[name] = run_server_case(name, path, flags, args.workdir)
             results[name]["workload"] = workload
             results[name]["computed_prompt_tokens"] = computed_prompt_tokens(Path(results[name]["trace"]))

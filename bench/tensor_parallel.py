@@ -1,6 +1,6 @@
 """What tensor parallelism costs on this CPU: offline-64 with N=2 ranks vs N=1.
 
-    python bench/tensor_parallel.py [--workload ../shared/bench/offline-64.jsonl] [--json FILE]
+    python bench/tensor_parallel.py [--workload bench/workloads/offline-64.jsonl] [--json FILE]
 
 The default model (SmolLM2-135M: 9 heads, 3 KV heads) does not split two
 ways, so this runs a random-weight Llama of its size and vocabulary with 8
@@ -63,7 +63,7 @@ def run_case(model: Path, flags: list[str], workload: Path, scratch: Path) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "offline-64.jsonl")
+    parser.add_argument("--workload", type=Path, default=ROOT / "bench" / "workloads" / "offline-64.jsonl")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES))
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()

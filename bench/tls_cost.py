@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOAD = ROOT.parent / "shared" / "bench" / "offline-64.jsonl"
+WORKLOAD = ROOT / "bench" / "workloads" / "offline-64.jsonl"
 sys.path.insert(0, str(ROOT))
 
 from bench.certs import make_pki  # noqa: E402

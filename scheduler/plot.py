@@ -4,6 +4,9 @@ One column per trace. Top: seats x steps, each request its own colour, idle
 seats white; a request keeps its seat from boarding to leaving. Below: the
 seats in use and the tokens computed per step (prefill and decode), over
 time.
+
+matplotlib is the ``plot`` extra, not a serving dependency: it is imported
+only here, when a chart is drawn.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from jitney.scheduler.trace import read_trace
+
+MISSING_MATPLOTLIB = ("jitney plot needs matplotlib, which is not installed: pip install 'jitney[plot]' "
+                      "(in a checkout: make venv)")
 
 
 def assign_seats(steps: list[dict[str, Any]]) -> tuple[list[list[int]], int]:
@@ -61,8 +67,17 @@ def _seat_image(steps: list[dict[str, Any]]) -> Any:
     return image
 
 
+def _matplotlib() -> Any:
+    """matplotlib, or the command's error (exit status 1) saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise SystemExit(MISSING_MATPLOTLIB) from err
+    return matplotlib
+
+
 def plot(traces: list[Path], out: Path, titles: list[str] | None = None) -> None:
-    import matplotlib
+    matplotlib = _matplotlib()
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

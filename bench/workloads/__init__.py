@@ -1,0 +1,1 @@
+"""The benchmark workloads (JSONL) and their generator, generate.py."""
