@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jitney.client.channel import TlsFiles, open_channel
+from jitney.scheduler.supervisor import remove_stale_socket_dirs
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 
@@ -94,7 +95,8 @@ def health_status(target: str, timeout: float = 2.0, tls: TlsFiles | None = None
 def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
                    wait_serving: bool = True, startup_timeout: float = 240.0,
                    python: str = sys.executable, tls: TlsFiles | None = None,
-                   api_key: str | None = None, standby: bool = False) -> Iterator[Server]:
+                   api_key: str | None = None, standby: bool = False,
+                   env: dict[str, str] | None = None) -> Iterator[Server]:
     """Run `jitney <command> --port P <args>` until the block ends.
 
     ``python``: the interpreter whose ``jitney`` runs (another build's, to
@@ -105,6 +107,7 @@ def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
     Off unless asked for: a standby loads a second model a few seconds after
     start, which would compete for this 2-core machine's CPU with what a test
     or a benchmark measures; the tests and benchmarks of recovery turn it on.
+    ``env``: more environment variables for the server.
     """
     port = free_port()
     log_path = log_dir / f"jitney-{command}-{port}.log"
@@ -114,7 +117,8 @@ def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=ROOT if python == sys.executable else log_dir,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = Server(f"127.0.0.1:{port}", proc, log_path, tls, api_key)
     try:
         if wait_serving:
@@ -148,3 +152,4 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    remove_stale_socket_dirs(proc.pid, wait=5.0)   # a `jitney serve` killed above (or by the test) left it

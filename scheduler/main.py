@@ -1,8 +1,10 @@
 """The scheduler process: gRPC server, tokenizer, engine loop.
 
-Start order: bind gRPC (health NOT_SERVING, calls get UNAVAILABLE), bind the
-ZeroMQ sockets, load the tokenizer, wait for the worker's Ready handshake,
-size the scheduler from the cache geometry it reports, then serve.
+Start order: bind gRPC (health NOT_SERVING, calls get UNAVAILABLE), the
+metrics port and the OpenAI door, bind the ZeroMQ sockets, load the
+tokenizer, wait for the worker's Ready handshake, size the scheduler from
+the cache geometry it reports, then serve. A door whose port cannot be
+bound (another server listens there) stops the start with exit status 2.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jitney.common.arg_types import int_in, positive_int, tcp_port
+from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.admission import AdmissionLimits
 from jitney.scheduler.auth import ApiKeyInterceptor, KeyLimiter
-from jitney.scheduler.config import SchedulerConfig, SchedulingPolicy
+from jitney.scheduler.config import SamplingDefaults, SchedulerConfig, SchedulingPolicy
 from jitney.scheduler.engine import Engine
 from jitney.scheduler.metrics import request_log
-from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
+from jitney.common.model_files import (ModelNotFoundError, ModelSettingsError, cache_root, generation_config,
+                                       load_tokenizer, model_name, read_chat_template, resolve_model,
+                                       use_chat_template)
 from jitney.common.zmq_security import (ServerKeys, add_link_security_arguments, check_endpoint,
                                          load_server_keys)
 from jitney.scheduler.server import GenerationServicer
@@ -73,6 +78,9 @@ class SchedulerProcessConfig:
     max_requests_per_key: int | None = None  # generation requests in flight per key; None = any
     curve_keys: str | None = None        # folder of the link's Curve keys (jitney.common.zmq_security)
     insecure_plaintext_zmq: bool = False  # allow a tcp:// link without keys
+    served_model_names: tuple[str, ...] = ()  # the API's names of the model, primary first; () = its own
+    chat_template: str | None = None     # a Jinja file that replaces the model's chat template
+    generation_config: str = "auto"      # sampling defaults: auto (the model's), none, or a folder
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -80,7 +88,8 @@ class SchedulerProcessConfig:
                    ns.policy, ns.plan_addr, ns.result_addr, ns.trace,
                    not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port,
                    curve_keys=ns.curve_keys, insecure_plaintext_zmq=ns.insecure_plaintext_zmq,
-                   **security_fields(ns))
+                   served_model_names=tuple(ns.served_model_name or ()), chat_template=ns.chat_template,
+                   generation_config=ns.generation_config, **security_fields(ns))
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -97,8 +106,11 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                             help="seats: most sequences running at once (default: the worker's)")
         parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                             help="token budget of one step (default: the worker's)")
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    parser.add_argument("--port", type=tcp_port, default=50051, help="gRPC port")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="bind address of the gRPC port, the OpenAI door and the metrics port "
+                             "(default 127.0.0.1)")
+    parser.add_argument("--port", type=tcp_port, default=50051,
+                        help="gRPC port (default 50051); one in use by another server stops the start (exit 2)")
     parser.add_argument("--openai-port", type=_port_or_off, default=0, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on --host:PORT; 0 = off (default)")
@@ -108,6 +120,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                         help="turn off prefix caching (sharing the KV blocks of common prompt prefixes)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
+    add_model_setting_arguments(parser)
     add_production_arguments(parser)
     add_security_arguments(parser)
     if with_shared:
@@ -118,6 +131,76 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
 
 _port_or_off = int_in(0, 65535, meaning="a TCP port (1-65535) or 0 (off)")
 
+# The scheduler's listening ports: (config field, what it serves, its flag).
+DOORS = (("port", "gRPC", "--port"), ("openai_port", "the OpenAI API", "--openai-port"),
+         ("metrics_port", "metrics", "--metrics-port"))
+
+
+def door_refused(host: str, port: int, flag: str, why: object) -> str:
+    """The message of a door that cannot listen: the port, what it is for, why."""
+    what = next(what for _, what, f in DOORS if f == flag)
+    return f"cannot listen on {host}:{port} for {what} ({flag} {port}): {why}"
+
+
+def busy_door(scheduler_argv: list[str]) -> str | None:
+    """Why the scheduler of this command line would not start (a door's port
+    that cannot be bound now: another server listens there), or None; for
+    `jitney serve` to refuse before it starts any process."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_scheduler_arguments(parser)
+    ns, _ = parser.parse_known_args(scheduler_argv)
+    for field_name, _, flag in DOORS:
+        port = getattr(ns, field_name)
+        if port and (problem := bind_problem(ns.host, port)) is not None:
+            return door_refused(ns.host, port, flag, problem.strerror or problem)
+    return None
+
+
+def add_model_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the API presents the model: its names, chat template, sampling defaults."""
+    parser.add_argument("--served-model-name", action="append", type=_model_name, default=None, metavar="NAME",
+                        help="the model's name in the API (repeatable: every one is accepted as the OpenAI "
+                             "`model`; the first is the one responses, /v1/models first and GetModelInfo give); "
+                             "default: the model's own (its folder's name, or its GGUF file's without the "
+                             "quantization label)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template that replaces the model's own, for chat prompts on both doors "
+                             "(checked at start: it must render a one-message conversation)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
+                        help="default sampling parameters for fields a request leaves unset: auto (default) "
+                             "takes the model's generation_config.json (temperature, top_p, top_k, min_p, "
+                             "repetition_penalty, max_new_tokens as max_tokens) or a GGUF's general.sampling.* "
+                             "metadata; none keeps the server's own; FOLDER reads FOLDER/generation_config.json")
+
+
+def _model_name(text: str) -> str:
+    if not text or len(text) > 256 or not text.isprintable() or text != text.strip():
+        raise argparse.ArgumentTypeError(
+            f"must be 1-256 printable characters without leading or trailing spaces, got {text[:64]!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What ``model_settings`` read: the names, the template's text, the defaults."""
+
+    names: tuple[str, ...]
+    chat_template: str | None
+    sampling_defaults: SamplingDefaults
+
+
+def model_settings(cfg: SchedulerProcessConfig) -> ModelSettings:
+    """The model's API names, ``--chat-template``'s text (parsed, not yet rendered)
+    and the generation config's defaults. Raises ModelNotFoundError,
+    ModelSettingsError or ValueError (a default out of range), each naming the
+    flag or the file."""
+    files = resolve_model(cfg.model)
+    names = tuple(dict.fromkeys(cfg.served_model_names)) or (model_name(files),)
+    template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
+    values, source = generation_config(files, cfg.generation_config)
+    defaults = SamplingDefaults.from_config(values, source) if source else SamplingDefaults()
+    return ModelSettings(names, template, defaults)
+
 
 async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = None,
                 drain: asyncio.Event | None = None) -> int:
@@ -125,7 +208,8 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
     SIGINT / SIGTERM; when given, no signal handler is installed (in-process tests)."""
     try:
         security, warnings = cfg.load_security()
-    except SecurityError as exc:
+        settings = model_settings(cfg)
+    except (SecurityError, ModelNotFoundError, ValueError) as exc:    # ModelSettingsError is a ValueError
         print(f"jitney: {exc}", file=sys.stderr, flush=True)
         return 2
     exposed = exposure_warning(cfg.host, security)
@@ -133,65 +217,103 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
         print(f"jitney: warning: {warning}", file=sys.stderr, flush=True)
     curve_keys = _link_keys(cfg)     # before anything binds: a LinkSecurityError stops the start
     servicer = GenerationServicer(api_keys=security.keys is not None,
-                                  key_limits=KeyLimiter(security.max_requests_per_key))
+                                  key_limits=KeyLimiter(security.max_requests_per_key),
+                                  model_names=settings.names, sampling_defaults=settings.sampling_defaults)
+    if settings.sampling_defaults.values():
+        print(f"jitney: {settings.sampling_defaults.describe()}", flush=True)
     health_servicer = health.aio.HealthServicer()
     server = _grpc_server(servicer, health_servicer, security)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
-             else server.add_insecure_port(address))
-    if bound == 0:
-        print(f"jitney: cannot listen on {address}", file=sys.stderr, flush=True)
-        return 1
+    if (refused := _listen_grpc(server, cfg.host, cfg.port, security)) is not None:
+        print(f"jitney: {refused}", file=sys.stderr, flush=True)
+        return 2
     await server.start()
     print(f"jitney: gRPC listening on {address} ({_door_security(security)}; waiting for the worker)",
           flush=True)
-
-    if cfg.metrics_port:
-        servicer.metrics.serve_http(cfg.host, cfg.metrics_port)
-        print(f"jitney: metrics on http://{cfg.host}:{cfg.metrics_port}/metrics", flush=True)
-    servicer.metrics.log_prompts = cfg.log_prompts
-    link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout,
-                      curve_keys=curve_keys, insecure_plaintext=cfg.insecure_plaintext_zmq)
-    # One trace for the process: engines of restarted workers append to it.
-    tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
-    if stop is None or drain is None:
-        stop, drain = asyncio.Event(), asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGINT, stop.set)     # end now
-        loop.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
     openai_server = None
+    signals: asyncio.AbstractEventLoop | None = None    # the loop, once it handles SIGINT and SIGTERM
+    opened_link: WorkerLink | None = None     # (closed at the end when opened)
+    tracer: StepTracer | None = None
     try:
+        if cfg.metrics_port:
+            try:
+                servicer.metrics.serve_http(cfg.host, cfg.metrics_port)
+            except OSError as exc:
+                print(f"jitney: {door_refused(cfg.host, cfg.metrics_port, '--metrics-port', exc.strerror or exc)}",
+                      file=sys.stderr, flush=True)
+                return 2
+            print(f"jitney: metrics on http://{cfg.host}:{cfg.metrics_port}/metrics", flush=True)
+        servicer.metrics.log_prompts = cfg.log_prompts
         if cfg.openai_port:
             # Imported only when asked for: aiohttp stays out of a plain gRPC server.
             from jitney.scheduler.openai_api import OpenAIServer
 
-            openai_server = OpenAIServer(servicer, security.keys)
-            try:
-                await openai_server.start(cfg.host, cfg.openai_port,
-                                          security.tls.ssl_context() if security.tls else None)
+            openai = OpenAIServer(servicer, security.keys)
+            try:    # aiohttp's TCPSite: SO_REUSEADDR, never SO_REUSEPORT (reuse_port stays None)
+                await openai.start(cfg.host, cfg.openai_port,
+                                   security.tls.ssl_context() if security.tls else None)
             except OSError as exc:
-                openai_server = None
-                print(f"jitney: cannot listen on {cfg.host}:{cfg.openai_port} (OpenAI API): {exc}",
+                print(f"jitney: {door_refused(cfg.host, cfg.openai_port, '--openai-port', exc.strerror or exc)}",
                       file=sys.stderr, flush=True)
-                return 1
+                return 2
+            openai_server = openai
             scheme = "https" if security.tls else "http"
             print(f"jitney: OpenAI-compatible API on {scheme}://{cfg.host}:{cfg.openai_port}/v1",
                   flush=True)
+        link = opened_link = WorkerLink(cfg.plan_addr, cfg.result_addr, worker_timeout=cfg.worker_timeout,
+                                        curve_keys=curve_keys, insecure_plaintext=cfg.insecure_plaintext_zmq)
+        # One trace for the process: engines of restarted workers append to it.
+        tracer = StepTracer(Path(cfg.trace)) if cfg.trace else None
+        if stop is None or drain is None:
+            stop, drain = asyncio.Event(), asyncio.Event()
+            signals = asyncio.get_running_loop()
+            signals.add_signal_handler(signal.SIGINT, stop.set)     # end now
+            signals.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
         files = resolve_model(cfg.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, files, cache_root())
+        if settings.chat_template is not None:
+            assert cfg.chat_template is not None
+            try:
+                use_chat_template(tokenizer, settings.chat_template, cfg.chat_template)
+            except ModelSettingsError as exc:
+                print(f"jitney: {exc}", file=sys.stderr, flush=True)
+                return 2
+            print(f"jitney: chat template from {cfg.chat_template}", flush=True)
         life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
                          lambda ready: _make_engine(cfg, link, tokenizer, ready, tracer), tokenizer,
                          address, cfg.drain_seconds, stop, drain)
         return await life.run()
     finally:
+        if signals is not None:
+            # The end is decided: a second SIGTERM (a process group's and then the
+            # supervisor's) must not kill the exit, as it would once asyncio.run
+            # restored SIGTERM's default on closing the loop.
+            signals.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=1.0)
         if openai_server is not None:
             await openai_server.stop()
-        link.close()
+        if opened_link is not None:
+            opened_link.close()
         if tracer is not None:
             tracer.close()
+
+
+def _listen_grpc(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> str | None:
+    """Bind the gRPC port; why not, when it cannot be (None: bound)."""
+    address = f"{host}:{port}"
+    # gRPC binds every address the host resolves to and only warns when some
+    # fail: asked first, so that a port half in use is refused too.
+    if (problem := bind_problem(host, port)) is not None:
+        return door_refused(host, port, "--port", problem.strerror or problem)
+    try:
+        bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
+                 else server.add_insecure_port(address))
+    except RuntimeError as exc:     # grpcio raises where older versions returned 0
+        return door_refused(host, port, "--port", exc)
+    return None if bound else door_refused(host, port, "--port", "the bind failed")
 
 
 def _link_keys(cfg: SchedulerProcessConfig) -> ServerKeys | None:
@@ -215,6 +337,7 @@ def _grpc_server(servicer: GenerationServicer, health_servicer: health.aio.Healt
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),   # a second server on this port fails its bind (jitney.common.ports)
     ])
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -76,7 +76,10 @@ class Metrics:
         self.log_prompts = False
 
     def serve_http(self, host: str, port: int) -> Any:
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread. Raises
+        OSError when the port cannot be bound: http.server's socket sets
+        SO_REUSEADDR only (``allow_reuse_port`` is False), so a port another
+        server listens on is refused, never shared."""
         return start_http_server(port, addr=host, registry=self.registry)
 
     def labelled(self, counter: Counter, key: str | None, **labels: str) -> Counter:

@@ -21,12 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jitney.common.arg_types import non_negative_float, non_negative_int, positive_float, positive_int, tcp_port
+from jitney.common.ports import bind_problem
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.replicas import MAX_MESSAGE_BYTES, Replica, ReplicaSet, ReplicaTls
 from jitney.scheduler.router import RouterServicer, keep_health
 from jitney.scheduler.routing import POLICIES, RoutingConfig, RoutingPolicy
-from jitney.scheduler.security import SecurityError, load_security
+from jitney.scheduler.security import SecurityError, ServerSecurity, load_security
 
 log = logging.getLogger("jitney.router")
 
@@ -126,10 +127,12 @@ async def serve(cfg: RouterConfig, *, stop: asyncio.Event | None = None) -> int:
     server = _grpc_server(servicer, health_servicer)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    if (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
-            else server.add_insecure_port(address)) == 0:
-        print(f"jitney router: cannot listen on {address}", file=sys.stderr, flush=True)
-        return 1
+    if (refused := _listen(server, cfg.host, cfg.port, security)) is not None:
+        print(f"jitney router: cannot listen on {address} (--port {cfg.port}): {refused}",
+              file=sys.stderr, flush=True)
+        for channel in channels:
+            await channel.close()
+        return 2
     await server.start()
     stop, drain = _signals(stop)
     poller: asyncio.Task[None] | None = None
@@ -173,9 +176,26 @@ def _replica_channel(target: str, tls: ReplicaTls | None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=options)
 
 
+def _listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> object | None:
+    """Bind the router's port; why not, when it cannot be (None: bound). Asked
+    first (``jitney.common.ports``): gRPC only warns when some of the host's
+    addresses fail."""
+    if (problem := bind_problem(host, port)) is not None:
+        return problem.strerror or problem
+    address = f"{host}:{port}"
+    try:
+        bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
+                 else server.add_insecure_port(address))
+    except RuntimeError as exc:     # grpcio raises where older versions returned 0
+        return exc
+    return None if bound else "the bind failed"
+
+
 def _grpc_server(servicer: RouterServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    # so_reuseport 0: a second server on this port fails its bind instead of sharing it.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", 0)])
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.admission import QueueFullError
 from jitney.scheduler.auth import KeyLimiter, KeyLimitError, caller_key
+from jitney.scheduler.config import SamplingDefaults
+from jitney.scheduler.detokenizer import TokenTexts
 from jitney.scheduler.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.request import FinishReason
@@ -68,11 +71,18 @@ def new_seed() -> int:
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """``key_limits``: requests in flight per API key name, shared by both doors;
-    ``api_keys``: whether the doors check keys (metrics then carry a key label)."""
+    ``api_keys``: whether the doors check keys (metrics then carry a key label);
+    ``model_names``: the names both doors answer to, the primary first
+    (``--served-model-name``; empty: the worker's ``model_name``);
+    ``sampling_defaults``: the generation config's defaults for unset fields."""
 
     def __init__(self, metrics: Metrics | None = None, *, api_keys: bool = False,
-                 key_limits: KeyLimiter | None = None) -> None:
+                 key_limits: KeyLimiter | None = None, model_names: Sequence[str] = (),
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
         self.state: ServingState | None = None
+        self.model_names = tuple(model_names)
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self._token_texts: TokenTexts | None = None
         # Built at the first constrained request (its tokenizer index takes
         # ~0.5 s), kept across worker restarts of the same vocabulary.
         self._grammars: GrammarCompiler | None = None
@@ -83,6 +93,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # While None: new requests are taken. Else why they get UNAVAILABLE
         # (draining); with no state, the same or "not ready".
         self.refusing: str | None = None
+
+    def served_names(self, state: ServingState) -> tuple[str, ...]:
+        """The model's names in the API, the primary first."""
+        return self.model_names or (state.ready.model_name,)
+
+    def token_texts(self, state: ServingState) -> TokenTexts:
+        """Token id -> text, for logprobs (one cache per tokenizer)."""
+        if self._token_texts is None or self._token_texts.tokenizer is not state.tokenizer:
+            self._token_texts = TokenTexts(state.tokenizer)
+        return self._token_texts
 
     async def _serving(self, context: grpc.aio.ServicerContext) -> ServingState:
         if self.state is None:
@@ -142,7 +162,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """Every rule of ``validate_generation``, then the response format's
         grammar compiled (off the loop, bounded in time). Raises
         InvalidRequestError, or QueueFullError when the compiler is saturated."""
+        defaults = self.sampling_defaults
+        if defaults.needs_fill(params.sampling):     # a copy: the caller's message stays as sent
+            filled = pb.GenerationParams()
+            filled.CopyFrom(params)
+            defaults.fill(filled.sampling, state.limits.vocab_size)
+            params = filled
         validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+        max_tokens = defaults.max_tokens_for(params.sampling, validated.sampling.max_tokens,
+                                             validated.sampling.min_tokens)
+        if max_tokens != validated.sampling.max_tokens:
+            validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)
@@ -163,10 +193,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def GenerateStream(self, request: pb.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext):  # type: ignore[override]
         state, handle, record = await self._submit(request.params, context)
+        texts = self.token_texts(state)
+        sampled_texts = request.params.sampling.HasField("top_logprobs")
         try:
             async for event in handle.stream():
                 await _record(record, event, context)
-                yield _stream_response(handle.request_id, event)
+                yield _stream_response(handle.request_id, event, texts, sampled_texts)
         finally:
             # Runs on normal end, on error and when the client cancels or
             # disconnects (the handler task is cancelled): frees the blocks.
@@ -176,6 +208,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         state, handle, record = await self._submit(request.params, context)
+        texts = self.token_texts(state)
+        sampled_texts = request.params.sampling.HasField("top_logprobs")
         response = pb.GenerateResponse(request_id=handle.request_id)
         samples = [pb.GeneratedSample(index=i) for i in range(len(handle.samples))]
         try:
@@ -185,9 +219,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 sample.text += event.text
                 sample.token_ids.extend(event.token_ids)
                 sample.logprobs.extend(event.logprobs)
-                sample.top_logprobs.extend(_top_logprobs(event))
+                sample.top_logprobs.extend(_top_logprobs(event, texts))
+                if sampled_texts:
+                    sample.tokens.extend(texts.many(event.token_ids))
                 if event.prompt_logprobs is not None:
-                    response.prompt_logprobs.extend(_prompt_logprobs(event))
+                    response.prompt_logprobs.extend(_prompt_logprobs(event, texts))
                 if event.finish_reason is not None:
                     sample.finish_reason = FINISH_REASONS[event.finish_reason]
                 if event.stream_done:
@@ -200,6 +236,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         response.token_ids.extend(first.token_ids)
         response.logprobs.extend(first.logprobs)
         response.top_logprobs.extend(first.top_logprobs)
+        response.tokens.extend(first.tokens)
         if len(samples) > 1:
             response.samples.extend(samples)
         return response
@@ -219,7 +256,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         state = await self._serving(context)
         ready, cfg = state.ready, state.engine.config
         return pb.GetModelInfoResponse(
-            model_name=ready.model_name,
+            model_name=self.served_names(state)[0],
             context_length=state.limits.context_length,
             vocab_size=ready.vocab_size,
             eos_token_ids=list(ready.eos_token_ids),
@@ -281,29 +318,35 @@ def _usage(event: StreamEvent) -> pb.Usage:
                     cached_prompt_tokens=event.cached_prompt_tokens)
 
 
-def _top_logprobs(event: StreamEvent) -> list[pb.TopLogprobs]:
-    return [pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-            for top in event.top_logprobs]
+def _top(top: list[tuple[int, float]], texts: TokenTexts) -> pb.TopLogprobs:
+    ids = [t for t, _ in top]
+    return pb.TopLogprobs(token_ids=ids, logprobs=[lp for _, lp in top], tokens=texts.many(ids))
 
 
-def _prompt_logprobs(event: StreamEvent) -> list[pb.PromptTokenLogprob]:
+def _top_logprobs(event: StreamEvent, texts: TokenTexts) -> list[pb.TopLogprobs]:
+    return [_top(top, texts) for top in event.top_logprobs]
+
+
+def _prompt_logprobs(event: StreamEvent, texts: TokenTexts) -> list[pb.PromptTokenLogprob]:
     assert event.prompt_logprobs is not None
     out = []
     for token, logprob, top in event.prompt_logprobs:
-        entry = pb.PromptTokenLogprob(
-            token_id=token, top=pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]))
+        entry = pb.PromptTokenLogprob(token_id=token, token=texts(token), top=_top(top, texts))
         if logprob is not None:
             entry.logprob = logprob
         out.append(entry)
     return out
 
 
-def _stream_response(request_id: str, event: StreamEvent) -> pb.GenerateStreamResponse:
+def _stream_response(request_id: str, event: StreamEvent, texts: TokenTexts,
+                     sampled_texts: bool) -> pb.GenerateStreamResponse:
+    """One stream message; ``sampled_texts``: with the sampled tokens' texts."""
     response = pb.GenerateStreamResponse(
         request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text,
-        sample_index=event.sample_index, top_logprobs=_top_logprobs(event))
+        sample_index=event.sample_index, top_logprobs=_top_logprobs(event, texts),
+        tokens=texts.many(event.token_ids) if sampled_texts else [])
     if event.prompt_logprobs is not None:
-        response.prompt_logprobs.extend(_prompt_logprobs(event))
+        response.prompt_logprobs.extend(_prompt_logprobs(event, texts))
     if event.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[event.finish_reason]
     if event.stream_done:

@@ -70,11 +70,12 @@ class Lifecycle:
         engine.on_step = self.servicer.metrics.observe_step
         # The scheduler's max_model_len: the model's context, capped by the cache.
         limits = ModelLimits(vocab_size=ready.vocab_size, context_length=engine.config.max_model_len)
-        self.servicer.state = ServingState(engine, ready, limits, self.tokenizer)
+        state = self.servicer.state = ServingState(engine, ready, limits, self.tokenizer)
         self.servicer.refusing = None
         await self.set_health(SERVING)
         weights = f", {ready.quantization} weights" if ready.quantization not in ("", "none") else ""
-        print(f"jitney: ready on {self.address}: {ready.model_name} ({ready.dtype}{weights}, {ready.device}), "
+        name = self.servicer.served_names(state)[0]
+        print(f"jitney: ready on {self.address}: {name} ({ready.dtype}{weights}, {ready.device}), "
               f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, step budget "
               f"{engine.config.max_num_batched_tokens} tokens, {engine.config.max_num_seqs} seats, "
               f"warm-up {ready.warmup_seconds:.1f} s, batch-invariant {'on' if ready.batch_invariant else 'off'}, "
@@ -166,7 +167,8 @@ def add_production_arguments(parser: Any) -> None:
     parser.add_argument("--worker-timeout", type=positive_float, default=30.0,
                         help="a worker silent this long (no heartbeat, no step reply) is lost (default 30)")
     parser.add_argument("--drain-seconds", type=non_negative_float, default=30.0,
-                        help="on SIGTERM, grace for running requests before they are ended (default 30)")
+                        help="on SIGTERM (to `jitney serve`'s pid or to its whole process group), grace for "
+                             "running requests before they are ended (default 30)")
     parser.add_argument("--metrics-port", type=_metrics_port, default=0,
                         help="serve Prometheus /metrics on --host:PORT; 0 = off (default)")
     parser.add_argument("--log-prompts", action="store_true",

@@ -14,11 +14,23 @@ The two talk over ipc:// sockets in a private temporary folder.
                                 minutes: stop everything.
     scheduler exits             stop the worker, exit with the scheduler's status
     SIGTERM                     pass it to the scheduler only: it drains, tells
-                                the worker to shut down, and both exit 0
+                                the worker to shut down, and both exit 0; let
+                                the standby go (it has nothing to drain)
     SIGINT                      pass it to both (they stop at once)
 
 A worker tells the supervisor it is ready through a pipe
-(``jitney.common.supervision``).
+(``jitney.common.supervision``). A second pipe, never written, tells it that
+it is supervised: it ignores SIGTERM while the supervisor holds that pipe's
+write end, so a SIGTERM to the whole process group (systemd's stop,
+`timeout`, `kill -- -PGID`) drains like one to the supervisor's pid instead
+of killing the serving worker under its requests. Each worker also starts
+with SIGTERM ignored, until its own handler is set. To let a worker go, the
+supervisor closes that pipe and sends SIGTERM; SIGKILL after
+STOP_GRACE_SECONDS.
+
+The ``ipc://`` sockets' folder is ``$TMPDIR/jitney-<supervisor pid>-*``:
+removed when `jitney serve` exits, and a folder left by one that was killed
+(SIGKILL) is removed by the next start (``remove_stale_socket_dirs``).
 
 Standby (``--standby-worker``, on by default on the CPU): once the worker
 serves, a second worker process starts, loads the model, sizes its cache,
@@ -41,7 +53,9 @@ another N processes' shards and rendezvous.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,10 +63,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jitney.common.arg_types import positive_int
 from jitney.common import model_files
-from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
+from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV
 
 STOP_GRACE_SECONDS = 10.0
 RESTART_WINDOW_SECONDS = 300.0
@@ -111,17 +126,27 @@ def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[
             continue
         if value is None or value is False:
             continue
+        if isinstance(value, list):     # a repeatable flag (action="append"): once per value
+            for item in value:
+                argv += [flag, str(item)]
+            continue
         argv += [flag, str(value)]
     return argv
 
 
+def _ignore_sigterm() -> None:
+    """In a worker between fork and exec: SIGTERM ignored until its handler is set."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 @dataclass(eq=False)
 class _WorkerProcess:
-    """A worker process and its two pipes to the supervisor."""
+    """A worker process and its pipes to the supervisor."""
 
     proc: subprocess.Popen[bytes]
     ready_pipe: int | None          # read end: one byte once its Ready is sent
     activate_pipe: int | None       # write end (a standby only): one byte starts it
+    lifeline: int | None = None     # write end, never written: open, the worker ignores SIGTERM
     ready_since: float | None = None   # when its Ready byte came; None: not (yet) ready
 
     @property
@@ -132,23 +157,26 @@ class _WorkerProcess:
     def start(cls, cmd: list[str], *, standby: bool) -> "_WorkerProcess":
         ready_read, ready_write = os.pipe()
         os.set_blocking(ready_read, False)
-        fds, env = [ready_write], {**os.environ, READY_FD_ENV: str(ready_write)}
+        lifeline_read, lifeline_write = os.pipe()
+        fds = [ready_write, lifeline_read]
+        env = {**os.environ, READY_FD_ENV: str(ready_write), SUPERVISOR_FD_ENV: str(lifeline_read)}
         activate_read = activate_write = None
         if standby:
             activate_read, activate_write = os.pipe()
             fds.append(activate_read)
             env[STANDBY_FD_ENV] = str(activate_read)
         try:
-            proc = subprocess.Popen(cmd, pass_fds=fds, env=env)
+            # preexec_fn runs Python between fork and exec: safe, as `jitney serve` runs no threads.
+            proc = subprocess.Popen(cmd, pass_fds=fds, env=env, preexec_fn=_ignore_sigterm)
         except BaseException:
-            for fd in (ready_read, activate_write):
+            for fd in (ready_read, activate_write, lifeline_write):
                 if fd is not None:
                     os.close(fd)
             raise
         finally:
             for fd in fds:
                 os.close(fd)
-        return cls(proc, ready_read, activate_write)
+        return cls(proc, ready_read, activate_write, lifeline_write)
 
     def poll_ready(self) -> bool:
         if self.ready_pipe is not None:
@@ -175,10 +203,17 @@ class _WorkerProcess:
         return True
 
     def close(self) -> None:
-        for fd in (self.ready_pipe, self.activate_pipe):
+        """Close its pipes: from now on a SIGTERM ends it (and a standby's wait ends)."""
+        for fd in (self.ready_pipe, self.activate_pipe, self.lifeline):
             if fd is not None:
                 os.close(fd)
-        self.ready_pipe = self.activate_pipe = None
+        self.ready_pipe = self.activate_pipe = self.lifeline = None
+
+    def release(self) -> None:
+        """Let it go: close its pipes, then SIGTERM (it exits 0)."""
+        self.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
 
 
 @dataclass(eq=False)
@@ -276,9 +311,14 @@ class _Supervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
-        # SIGTERM: the scheduler drains, then sends the worker Shutdown.
+        # SIGTERM: the scheduler drains, then sends the worker Shutdown (which
+        # ignores SIGTERM meanwhile, should one reach it too).
         targets = [self.scheduler] + (self.worker.procs if signum == signal.SIGINT and self.worker else [])
-        targets += [self.spare.proc] if self.spare else []    # a standby has nothing to drain
+        if self.spare is not None:      # a standby has nothing to drain
+            if signum == signal.SIGTERM:
+                self.spare.release()
+            else:
+                targets.append(self.spare.proc)
         for proc in targets:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -366,7 +406,7 @@ class _Supervisor:
     def _stop_all(self) -> None:
         workers = (self.worker.ranks if self.worker is not None else []) + ([self.spare] if self.spare else [])
         for w in workers:
-            w.close()   # a standby's closed activation pipe ends it too
+            w.close()   # SIGTERM ends each from now on; a standby's closed activation pipe ends it too
         procs = [self.scheduler] + [w.proc for w in workers]
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for proc in procs:   # the worker exits by itself after a drain's Shutdown
@@ -375,9 +415,13 @@ class _Supervisor:
             except subprocess.TimeoutExpired:
                 proc.terminate()
         for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            # Again each second: a worker still starting ignores SIGTERM until its handler is set.
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    proc.terminate()
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
 
@@ -385,9 +429,79 @@ class _Supervisor:
 def supervise(scheduler_argv: list[str], worker_argv: list[str], *,
               max_worker_restarts: int = 5, drain_seconds: float = 30.0, standby: bool = False,
               tp_size: int = 1) -> int:
-    with tempfile.TemporaryDirectory(prefix="jitney-") as tmp:
+    from jitney.scheduler.main import busy_door
+
+    # Before any process starts (the worker's load takes seconds); the
+    # scheduler's own bind is the authority, and refuses with status 2 too.
+    if (refused := busy_door(scheduler_argv)) is not None:
+        print(f"jitney serve: {refused}", file=sys.stderr, flush=True)
+        return 2
+    remove_stale_socket_dirs()
+    with tempfile.TemporaryDirectory(prefix=_socket_dir_prefix(os.getpid())) as tmp:
         addrs = ["--plan-addr", f"ipc://{tmp}/plan", "--result-addr", f"ipc://{tmp}/result"]
         base = [sys.executable, "-m", "jitney.cli"]
         return _Supervisor(base + ["scheduler", *scheduler_argv, *addrs],
                            base + ["worker", *worker_argv, *addrs],
                            max_worker_restarts, drain_seconds, standby, tp_size).run()
+
+
+def _socket_dir_prefix(pid: int) -> str:
+    return f"jitney-{pid}-"
+
+
+def remove_stale_socket_dirs(pid: int | None = None, *, wait: float = 0.0) -> list[Path]:
+    """Remove the ``ipc://`` folders that `jitney serve` processes which are
+    gone left behind (one that is SIGKILLed cannot remove its own); only
+    ``pid``'s when given. A folder is stale when its supervisor's pid runs no
+    process and its plan socket takes no connection: a scheduler whose
+    supervisor was killed alone still listens on its own, and so does one in
+    another pid namespace that shares this temporary folder. ``wait``: try
+    again for up to this many seconds while a folder is not stale yet (the
+    processes of a group just killed are still dying). The folders removed."""
+    root = Path(tempfile.gettempdir())
+    deadline = time.monotonic() + wait
+    removed: list[Path] = []
+    while True:
+        kept = []
+        for folder in root.glob(_socket_dir_prefix(pid) + "*" if pid is not None else "jitney-*-*"):
+            owner = folder.name.split("-")[1]
+            if not owner.isdigit() or int(owner) == os.getpid() or folder.is_symlink() or not folder.is_dir():
+                continue
+            try:
+                if folder.stat().st_uid != os.getuid():
+                    continue
+                # (The plan socket: the result socket's monitor counts each connection as a worker's.)
+                if _running(int(owner)) or _listening(folder / "plan"):
+                    kept.append(folder)
+                    continue
+            except OSError:    # removed meanwhile
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        if not kept or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's
+        pass
+    return True
+
+
+def _listening(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    if not path.is_socket():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return False
+            return True     # (EAGAIN: a full backlog; someone listens)
+    return True

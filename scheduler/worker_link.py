@@ -21,6 +21,8 @@ worker:
 
     state       how it is entered                      receive()/send_plan()
     waiting     start; or after the worker was lost    raise WorkerLostError
+                or told to shut down (its exit then
+                is no loss, and logs none)
     serving     wait_ready() returned a Ready           results and errors
     lost        no frame for ``worker_timeout`` s, or   raise WorkerLostError
                 a new Ready while serving (restarted)
@@ -156,14 +158,9 @@ class WorkerLink:
         if not self._serving:
             return
         log.error("worker pid %d (incarnation %016x) lost: %s", self.worker_pid, self.incarnation, reason)
-        self._serving = False
-        self.lost_reason = reason
         self._post_shutdown(self.incarnation)
         self._kill_if_local(self.worker_pid)
-        self.worker_pid = 0
-        self.incarnation = 0
-        self._inbox.put_nowait(None)
-        self._lost.set()
+        self._stop_serving(reason)
 
     async def send_plan(self, plan: engine_pb2.StepPlan) -> None:
         await self._send(engine_pb2.SchedulerMessage(plan=plan))
@@ -172,10 +169,23 @@ class WorkerLink:
         await self._send(engine_pb2.SchedulerMessage(masks=masks))
 
     async def send_shutdown(self) -> None:
+        """Tell the serving worker to exit, and stop serving it: the exit that
+        follows (its connection closing) is the end asked for, not a loss."""
         try:
             await self._send(engine_pb2.SchedulerMessage(shutdown=engine_pb2.Shutdown()))
         except WorkerLostError:
-            pass    # nobody to tell
+            return    # nobody to tell
+        log.info("told worker pid %d (incarnation %016x) to shut down", self.worker_pid, self.incarnation)
+        self._stale_logged.add(self.incarnation)   # a heartbeat it sends before it reads the Shutdown: no warning
+        self._stop_serving("it was told to shut down")
+
+    def _stop_serving(self, reason: str) -> None:
+        self._serving = False
+        self.lost_reason = reason
+        self.worker_pid = 0
+        self.incarnation = 0
+        self._inbox.put_nowait(None)
+        self._lost.set()
 
     async def receive(self) -> engine_pb2.WorkerMessage:
         """The serving worker's next result or error.

@@ -17,9 +17,12 @@ from jitney.scheduler.supervisor import _Supervisor
 
 # A stand-in worker: logs its start time, waits to be activated if it is a
 # standby (logging that time with a minus sign), says Ready (or not), lives a
-# while, dies.
+# while, dies. It is started with SIGTERM ignored; the supervisor sends one
+# only once it has let go of it, which ends a real worker: so SIGTERM's
+# default here.
 WORKER = f"""
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 with open(sys.argv[1], "a") as log:
     log.write(f"{{time.monotonic()}}\\n")
 standby = os.environ.get("{STANDBY_FD_ENV}")
@@ -87,7 +90,8 @@ def test_a_standby_takes_over_at_once_and_another_starts_behind_it(
 # A stand-in rank: logs "start <rank> <pid> <time>", rank 0 says Ready; rank 1 dies
 # after a while in the first group only (its log line marks the group), the rest live on.
 RANK = f"""
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_DFL)    # (as WORKER's)
 args = sys.argv[sys.argv.index("--tp-rank") + 1:]
 rank, log = int(args[0]), sys.argv[1]
 with open(log, "a") as f:

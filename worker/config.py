@@ -45,8 +45,10 @@ class WorkerConfig:
       num_blocks: exact number of KV-cache blocks; exclusive with
         ``kv_cache_gib``.
       kv_cache_gib: KV-cache size in GiB; exclusive with ``num_blocks``. When
-        both are ``None`` the cache takes 2 GiB on CPU, or 90% of the GPU
-        memory left free after loading the model on CUDA.
+        both are ``None`` the cache takes 2 GiB on CPU; on CUDA the GPU
+        memory left free after the model, a profiled step of the full token
+        budget and the CUDA graphs, less 10% of the card
+        (``kv_cache.size_cache``).
       max_num_batched_tokens: most tokens in one fused step (the scheduler's
         token budget); a plan over it is rejected. ``None``: the device's
         default (``device.STEP_DEFAULTS``: 512 on CPU, 2048 on CUDA).
@@ -224,7 +226,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--num-blocks", dest="num_blocks", type=positive_int, default=None,
                       help="number of KV-cache blocks")
     size.add_argument("--kv-cache-gib", dest="kv_cache_gib", type=positive_float, default=None,
-                      help="KV-cache size in GiB (default: 2 on CPU, 90%% of free GPU memory on CUDA)")
+                      help="KV-cache size in GiB (default: 2 on CPU; on CUDA the GPU memory left after the "
+                           "model, a profiled step of the full token budget and the CUDA graphs, less 10%% "
+                           "of the card)")
     group.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens",
                        type=positive_int, default=None,
                        help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")

@@ -5,7 +5,7 @@ random incarnation, connects a DEALER socket whose routing id is that
 incarnation to ``plan_addr`` (the scheduler's ROUTER) and a PUSH socket to
 ``result_addr``; it sends ``WorkerMessage(ready)`` once the model and cache
 are up, then answers each ``SchedulerMessage(plan)`` with a ``StepResult`` or
-a ``StepError``, until ``Shutdown`` or SIGTERM. Every message it sends carries
+a ``StepError``, until ``Shutdown`` or SIGTERM (below). Every message it sends carries
 its incarnation; a message for another incarnation is dropped. Messages are
 protobuf bytes, never pickle.
 
@@ -22,6 +22,14 @@ waited for them (its plan was refused, discarded or failed first) are dropped.
 
 The watchdog (``--hang-timeout``, ``watchdog.py``) is re-armed before every
 step and every wait for a message: a worker stuck longer exits.
+
+SIGTERM: a worker run alone (`jitney worker`) exits 0 on it. One started by
+`jitney serve` (``SUPERVISOR_FD_ENV`` set; the standby and every
+tensor-parallel rank too) ignores it while its supervisor holds the pipe
+named there: a SIGTERM sent to the whole process group reaches the worker
+as well as the scheduler, and the scheduler's drain needs the worker until
+it sends Shutdown. Once the supervisor has closed that pipe (it lets the
+worker go) or is gone, SIGTERM ends the worker again.
 
 Tensor parallelism (``--tp-size N``, ``parallel.py``): every rank joins the
 group first. Rank 0 runs this loop; its runner relays each plan it runs to
@@ -51,7 +59,7 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from jitney.common.incarnation import new_incarnation, routing_id
-from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV
+from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV, pipe_ended
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
 from jitney.worker import parallel
@@ -81,8 +89,11 @@ class Runner(Protocol):
                 wait_for_masks: MaskSource | None = None) -> engine_pb2.StepResult: ...
 
 
-class _Terminated(Exception):
-    """Raised from the SIGTERM handler to unwind the loop cleanly."""
+class _Terminated(BaseException):
+    """Raised from the SIGTERM handler to unwind the loop cleanly. Not an
+    Exception: it may come out of any line of the model's load, and code
+    there that handles its own failures (``except Exception``: a weights
+    cache entry it would then drop as damaged) must not take it for one."""
 
 
 class _ShutdownRequested(Exception):
@@ -91,14 +102,24 @@ class _ShutdownRequested(Exception):
 
 @contextmanager
 def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises ``_Terminated`` inside the block; under `jitney serve`
+    only once the supervisor has let go (module docstring)."""
     # signal handlers can only be set from the main thread (tests may run the
     # loop in another one; there, SIGTERM keeps its default meaning).
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    lifeline = _supervisor_pipe()
+    ignored = False
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated()
+        nonlocal ignored
+        if lifeline is None or pipe_ended(lifeline):
+            raise _Terminated()
+        if not ignored:     # a group SIGTERM: the scheduler drains and then sends Shutdown
+            ignored = True
+            logger.info("SIGTERM ignored: `jitney serve` supervises this worker, which serves "
+                        "the scheduler's drain and exits on its Shutdown")
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -107,14 +128,39 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _supervisor_pipe() -> int | None:
+    """The read end of the supervisor's pipe (``SUPERVISOR_FD_ENV``), None when run alone.
+    Left open for the process's life: its end is how the supervisor lets go."""
+    fd = os.environ.pop(SUPERVISOR_FD_ENV, None)
+    if fd is None:
+        return None
+    try:
+        os.fstat(int(fd))
+    except (OSError, ValueError) as err:
+        logger.warning("%s=%s is not an open pipe (%s): SIGTERM ends this worker", SUPERVISOR_FD_ENV, fd, err)
+        return None
+    return int(fd)
+
+
 def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner] = ModelRunner) -> int:
-    """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0).
+    """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0; see the module docstring).
 
     Under tensor parallelism the group is joined first and the runner is
     always a ``ModelRunner`` of it; a rank > 0 follows rank 0 instead."""
-    group = parallel.init_group(config)
-    if group is not None and group.rank > 0:
-        return _follow(config, group)
+    try:
+        with _sigterm_exits():      # the group's rendezvous too: it may wait for minutes
+            group = parallel.init_group(config)
+            if group is not None and group.rank > 0:
+                return _follow(config, group)
+            return _lead(config, make_runner, group)
+    except _Terminated:
+        logger.info("SIGTERM: exiting")
+        return 0
+
+
+def _lead(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner],
+          group: parallel.TensorParallelGroup | None) -> int:
+    """The worker the scheduler sees (alone, or rank 0 of a group): load, connect, serve."""
     if config.plan_addr is None or config.result_addr is None:
         raise ValueError("plan_addr and result_addr must be set")
     keys = load_client_keys(config.curve_keys) if config.curve_keys else None
@@ -129,23 +175,19 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
             sock.setsockopt(hwm, SOCKET_HWM)
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         plans.setsockopt(zmq.ROUTING_ID, routing_id(incarnation))   # the scheduler addresses us by it
-        with _sigterm_exits():
-            runner = make_runner(config) if group is None else ModelRunner(config, group=group)
-            if not _standby_until_activated():
-                return 0
-            client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
-            plans.connect(config.plan_addr)
-            client_side(push, config.result_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
-            push.connect(config.result_addr)
-            outbox = _Outbox(push, incarnation)
-            outbox.send(engine_pb2.WorkerMessage(ready=runner.ready_message()))
-            logger.info("ready (incarnation %016x): plans from %s, results to %s",
-                        incarnation, config.plan_addr, config.result_addr)
-            _tell_supervisor_ready()
-            return _serve(runner, _Inbox(plans, outbox, watchdog, group), watchdog)
-    except _Terminated:
-        logger.info("SIGTERM: exiting")
-        return 0
+        runner = make_runner(config) if group is None else ModelRunner(config, group=group)
+        if not _standby_until_activated():
+            return 0
+        client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
+        plans.connect(config.plan_addr)
+        client_side(push, config.result_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
+        push.connect(config.result_addr)
+        outbox = _Outbox(push, incarnation)
+        outbox.send(engine_pb2.WorkerMessage(ready=runner.ready_message()))
+        logger.info("ready (incarnation %016x): plans from %s, results to %s",
+                    incarnation, config.plan_addr, config.result_addr)
+        _tell_supervisor_ready()
+        return _serve(runner, _Inbox(plans, outbox, watchdog, group), watchdog)
     finally:
         watchdog.disarm()
         plans.close(linger=0)
@@ -158,15 +200,11 @@ def _follow(config: WorkerConfig, group: parallel.TensorParallelGroup) -> int:
     os.environ.pop(READY_FD_ENV, None)   # rank 0 alone tells the supervisor the group is ready
     watchdog = Watchdog(config.hang_timeout)
     try:
-        with _sigterm_exits():
-            runner = ModelRunner(config, group=group)
-            logger.info("rank %d of %d: following rank 0", group.rank, group.size)
-            code = parallel.follow(runner, group, watchdog)
-            group.close()
-            return code
-    except _Terminated:
-        logger.info("SIGTERM: exiting")
-        return 0
+        runner = ModelRunner(config, group=group)
+        logger.info("rank %d of %d: following rank 0", group.rank, group.size)
+        code = parallel.follow(runner, group, watchdog)
+        group.close()
+        return code
     finally:
         watchdog.disarm()
 

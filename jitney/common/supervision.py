@@ -7,6 +7,7 @@ apart: a worker that was serving is restarted at once, one that died before
 its Ready is a crash loop (backoff, and a limit).
 """
 
+import select
 
 READY_FD_ENV = "JITNEY_READY_FD"
 
@@ -14,3 +15,23 @@ READY_FD_ENV = "JITNEY_READY_FD"
 # it loads and warms up, then waits for one byte on it before it connects
 # and sends its Ready; the pipe's end (the supervisor gone) makes it exit.
 STANDBY_FD_ENV = "JITNEY_STANDBY_FD"
+
+# Every worker the supervisor starts (the serving one, the standby, each
+# tensor-parallel rank) is handed the read end of a third pipe here, on
+# which nothing is ever written. Its presence says "supervised": a SIGTERM
+# to the whole process group (systemd's stop, `timeout`, `kill -- -PGID`)
+# must not end the worker while the scheduler drains, so the worker ignores
+# SIGTERM and exits on the scheduler's Shutdown instead. Once this pipe has
+# ended (the supervisor closed it to let the worker go, or died), SIGTERM
+# ends the worker again. The supervisor also starts each worker with
+# SIGTERM ignored, so one that arrives before the worker's handler is set
+# does not end it either.
+SUPERVISOR_FD_ENV = "JITNEY_SUPERVISOR_FD"
+
+
+def pipe_ended(fd: int) -> bool:
+    """Whether the write end of the pipe whose read end is ``fd`` is closed
+    everywhere (nothing is ever written to it: readable means ended)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))      # POLLHUP (or POLLIN: a byte nobody should send) once it has
