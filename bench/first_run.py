@@ -29,6 +29,8 @@ import json
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,18 @@ def run_case(name: str, replays: int, workdir: Path) -> list[float]:
             if summary["errors"]:
                 raise RuntimeError(f"{name}: {summary['errors']} requests failed")
             walls.append(wall)
-    print(f"{name:12} " + "  ".join(f"{w:6.2f} s" for w in walls), flush=True)
+        note = _standby_loaded(server.log, time.monotonic()) if standby else ""
+    print(f"{name:12} " + "  ".join(f"{w:6.2f} s" for w in walls) + note, flush=True)
     return walls
+
+
+def _standby_loaded(log: Callable[[], str], since: float, timeout: float = 60.0) -> str:
+    """Once the replays are over the server is quiet: when its standby came up."""
+    while time.monotonic() - since < timeout:
+        if "standby: loaded and warm" in log():
+            return f"   (standby up {time.monotonic() - since:.1f} s after the last replay)"
+        time.sleep(0.2)
+    return f"   (no standby {timeout:g} s after the last replay)"
 
 
 def report(runs: dict[str, list[list[float]]]) -> dict[str, Any]:

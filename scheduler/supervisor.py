@@ -67,6 +67,7 @@ from pathlib import Path
 
 from jitney.common.arg_types import positive_int
 from jitney.common import model_files
+from jitney.common.background import QUIET_CPU, QUIET_MAX_WAIT_SECONDS, QUIET_SECONDS, CpuQuiet
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV
 
 STOP_GRACE_SECONDS = 10.0
@@ -289,6 +290,7 @@ class _Supervisor:
     restarts: list[float] = field(default_factory=list)   # times of recent crash-loop restarts
     restart_at: float | None = None
     spare_at: float | None = None       # when to start the next standby
+    quiet: CpuQuiet = field(default_factory=lambda: CpuQuiet(QUIET_SECONDS, QUIET_CPU))   # the serving worker's
 
     def run(self) -> int:
         if self.tp_size > 1:
@@ -373,9 +375,10 @@ class _Supervisor:
 
     def _tend_spare(self) -> None:
         """Keep one loaded standby while a worker serves. It starts once that
-        worker has served for STANDBY_DELAY_SECONDS: its load takes a few CPU
-        seconds, and right after a takeover the serving worker has the
-        retried requests of the lost one to catch up on."""
+        worker has served for STANDBY_DELAY_SECONDS and then been quiet
+        (``jitney.common.background``): its load takes a few CPU seconds,
+        which the first traffic after Ready, or the retried requests of a
+        lost worker after a takeover, would otherwise wait for."""
         if not self.standby or self.stopping_since is not None:
             return
         now = time.monotonic()
@@ -391,6 +394,9 @@ class _Supervisor:
         if serving is None or (self.spare_at is not None and now < self.spare_at):
             return
         if now - serving < STANDBY_DELAY_SECONDS:
+            return
+        if now - serving < QUIET_MAX_WAIT_SECONDS and not self.quiet.quiet(
+                [p.pid for p in self.worker.procs] if self.worker is not None else [], now):
             return
         self.spare_at = None
         self.spare = _WorkerProcess.start(self.worker_cmd, standby=True)

@@ -74,6 +74,7 @@ def test_a_worker_that_dies_before_ready_backs_off_then_stops_serve(tmp_path: Pa
 def test_a_standby_takes_over_at_once_and_another_starts_behind_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor, "STANDBY_DELAY_SECONDS", 0.2)
+    monkeypatch.setattr(supervisor, "QUIET_SECONDS", 0.3)
     code, events = _supervise(tmp_path, "ready", lives=1.5, scheduler_seconds=5.0, standby=True)
     assert code == 0
     starts = [t for t in events if t > 0]
@@ -85,6 +86,42 @@ def test_a_standby_takes_over_at_once_and_another_starts_behind_it(
     deaths = [t + 1.5 for t in [starts[0]] + activations[:-1]]   # each serving worker lives 1.5 s
     for died, took_over in zip(deaths, activations):
         assert took_over - died < 1.0, (died, took_over)
+
+
+# A stand-in worker that says Ready, then keeps a core busy for argv[2] seconds
+# (logging when it stops) and sleeps: traffic right after Ready.
+BUSY_WORKER = f"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_DFL)    # (as WORKER's)
+if os.environ.get("{STANDBY_FD_ENV}") is not None:
+    with open(sys.argv[1], "a") as log:
+        log.write(f"standby {{time.monotonic()}}\\n")
+    time.sleep(60)
+fd = int(os.environ["{READY_FD_ENV}"])
+os.write(fd, b"r")
+os.close(fd)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    pass
+with open(sys.argv[1], "a") as log:
+    log.write(f"quiet {{time.monotonic()}}\\n")
+time.sleep(60)
+"""
+
+
+def test_the_standby_waits_for_the_serving_worker_to_be_quiet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "STANDBY_DELAY_SECONDS", 0.2)
+    monkeypatch.setattr(supervisor, "QUIET_SECONDS", 0.5)
+    log = tmp_path / "events"
+    scheduler = [sys.executable, "-c", "import time; time.sleep(4.5)"]
+    worker = [sys.executable, "-c", BUSY_WORKER, str(log), "2.0"]
+    assert _Supervisor(scheduler, worker, 5, drain_seconds=1.0, standby=True).run() == 0
+    events = {kind: float(t) for kind, t in (line.split() for line in log.read_text().splitlines())}
+    # Busy for 2 s from Ready, far past the 0.2 s delay: the standby started only
+    # once the worker had been quiet for 0.5 s, and did start.
+    assert "standby" in events, events
+    assert events["standby"] > events["quiet"] + 0.3, events
 
 
 # A stand-in rank: logs "start <rank> <pid> <time>", rank 0 says Ready; rank 1 dies

@@ -43,6 +43,7 @@ group goes down, and is restarted whole.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -58,6 +59,7 @@ from typing import Protocol
 import zmq
 from google.protobuf.message import DecodeError
 
+from jitney.common.background import idle_priority
 from jitney.common.incarnation import new_incarnation, routing_id
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV, pipe_ended
 from jitney.common.zmq_security import client_side, load_client_keys
@@ -175,7 +177,10 @@ def _lead(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner],
             sock.setsockopt(hwm, SOCKET_HWM)
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         plans.setsockopt(zmq.ROUTING_ID, routing_id(incarnation))   # the scheduler addresses us by it
-        runner = make_runner(config) if group is None else ModelRunner(config, group=group)
+        with _standby_in_background() as idle:
+            runner = make_runner(config) if group is None else ModelRunner(config, group=group)
+        if idle:
+            logger.info("standby: loaded at idle CPU priority (SCHED_IDLE), now back at the normal one")
         if not _standby_until_activated():
             return 0
         client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)
@@ -367,6 +372,14 @@ def _discarded(step_id: int, failed: int) -> engine_pb2.WorkerMessage:
     message = f"discarded: step {failed} failed, and no reset plan came since"
     logger.warning("step %d %s", step_id, message)
     return engine_pb2.WorkerMessage(error=engine_pb2.StepError(step_id=step_id, message=message, discarded=True))
+
+
+def _standby_in_background() -> contextlib.AbstractContextManager[bool]:
+    """A standby loads at idle CPU priority where it may come back to the normal
+    one (``jitney.common.background``); the serving worker at the normal one."""
+    if STANDBY_FD_ENV not in os.environ:
+        return contextlib.nullcontext(False)
+    return idle_priority()
 
 
 def _standby_until_activated() -> bool:
