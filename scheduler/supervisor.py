@@ -67,7 +67,8 @@ from pathlib import Path
 
 from jitney.common.arg_types import positive_int
 from jitney.common import model_files
-from jitney.common.background import QUIET_CPU, QUIET_MAX_WAIT_SECONDS, QUIET_SECONDS, CpuQuiet
+from jitney.common.background import (QUIET_CPU, QUIET_MAX_WAIT_SECONDS, QUIET_SECONDS, CpuQuiet,
+                                      may_leave_idle_policy)
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV
 
 STOP_GRACE_SECONDS = 10.0
@@ -290,11 +291,14 @@ class _Supervisor:
     restarts: list[float] = field(default_factory=list)   # times of recent crash-loop restarts
     restart_at: float | None = None
     spare_at: float | None = None       # when to start the next standby
+    standby_loads_idle: bool = False    # at SCHED_IDLE (else it waits for a quiet moment)
     quiet: CpuQuiet = field(default_factory=lambda: CpuQuiet(QUIET_SECONDS, QUIET_CPU))   # the serving worker's
 
     def run(self) -> int:
         if self.tp_size > 1:
             self.standby = False
+        # A standby inherits this process's limits and capabilities: the same answer.
+        self.standby_loads_idle = self.standby and may_leave_idle_policy()
         self.scheduler = subprocess.Popen(self.scheduler_cmd)
         self.worker = _WorkerGroup.start(self.worker_cmd, self.tp_size)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -375,7 +379,8 @@ class _Supervisor:
 
     def _tend_spare(self) -> None:
         """Keep one loaded standby while a worker serves. It starts once that
-        worker has served for STANDBY_DELAY_SECONDS and then been quiet
+        worker has served for STANDBY_DELAY_SECONDS and, where it cannot load
+        at idle CPU priority, once that worker has also been quiet
         (``jitney.common.background``): its load takes a few CPU seconds,
         which the first traffic after Ready, or the retried requests of a
         lost worker after a takeover, would otherwise wait for."""
@@ -395,8 +400,8 @@ class _Supervisor:
             return
         if now - serving < STANDBY_DELAY_SECONDS:
             return
-        if now - serving < QUIET_MAX_WAIT_SECONDS and not self.quiet.quiet(
-                [p.pid for p in self.worker.procs] if self.worker is not None else [], now):
+        if (not self.standby_loads_idle and now - serving < QUIET_MAX_WAIT_SECONDS
+                and not self.quiet.quiet([p.pid for p in self.worker.procs] if self.worker else [], now)):
             return
         self.spare_at = None
         self.spare = _WorkerProcess.start(self.worker_cmd, standby=True)

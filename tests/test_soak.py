@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from bench.server_harness import health_status, running_server
 from bench.soak_load import FINISHED, Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving
 from bench.tiny_models import make_tiny_llama
+from jitney.common.background import may_leave_idle_policy
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,11 @@ def test_soak_with_worker_kills(tmp_path: Path) -> None:
         assert soak.problems() == []
         assert len(soak.kills) >= 8
         log = server.log()
-        assert "activated the standby worker" in log and "restarting it now" in log, log[-3000:]
+        assert "restarting it now" in log, log[-3000:]
+        if may_leave_idle_policy():
+            # A standby that loads at idle priority starts 5 s after a worker serves;
+            # one that cannot waits for a quiet moment, which this load never gives.
+            assert "activated the standby worker" in log, log[-3000:]
         results = {o.result for o in soak.outcomes}
         for needed in (FINISHED, "cancelled", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT",
                        "RESOURCE_EXHAUSTED", "UNAVAILABLE"):

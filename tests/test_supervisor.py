@@ -109,19 +109,25 @@ time.sleep(60)
 """
 
 
-def test_the_standby_waits_for_the_serving_worker_to_be_quiet(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("loads_idle", [False, True])
+def test_the_standby_waits_for_the_serving_worker_to_be_quiet_unless_it_loads_idle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loads_idle: bool) -> None:
     monkeypatch.setattr(supervisor, "STANDBY_DELAY_SECONDS", 0.2)
     monkeypatch.setattr(supervisor, "QUIET_SECONDS", 0.5)
+    monkeypatch.setattr(supervisor, "may_leave_idle_policy", lambda: loads_idle)
     log = tmp_path / "events"
     scheduler = [sys.executable, "-c", "import time; time.sleep(4.5)"]
     worker = [sys.executable, "-c", BUSY_WORKER, str(log), "2.0"]
     assert _Supervisor(scheduler, worker, 5, drain_seconds=1.0, standby=True).run() == 0
     events = {kind: float(t) for kind, t in (line.split() for line in log.read_text().splitlines())}
-    # Busy for 2 s from Ready, far past the 0.2 s delay: the standby started only
-    # once the worker had been quiet for 0.5 s, and did start.
     assert "standby" in events, events
-    assert events["standby"] > events["quiet"] + 0.3, events
+    if loads_idle:
+        # At idle priority it takes only idle cycles: it starts after the delay.
+        assert events["standby"] < events["quiet"] - 1.0, events
+    else:
+        # Busy for 2 s from Ready, far past the 0.2 s delay: the standby started
+        # only once the worker had been quiet for 0.5 s.
+        assert events["standby"] > events["quiet"] + 0.3, events
 
 
 # A stand-in rank: logs "start <rank> <pid> <time>", rank 0 says Ready; rank 1 dies

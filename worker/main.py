@@ -179,8 +179,10 @@ def _lead(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner],
         plans.setsockopt(zmq.ROUTING_ID, routing_id(incarnation))   # the scheduler addresses us by it
         with _standby_in_background() as idle:
             runner = make_runner(config) if group is None else ModelRunner(config, group=group)
-        if idle:
-            logger.info("standby: loaded at idle CPU priority (SCHED_IDLE), now back at the normal one")
+        if STANDBY_FD_ENV in os.environ:
+            logger.info("standby: loaded at idle CPU priority (SCHED_IDLE), now back at the normal one" if idle
+                        else "standby: loaded at the normal CPU priority (this process may not come back from "
+                             "SCHED_IDLE: no CAP_SYS_NICE, RLIMIT_NICE < 20)")
         if not _standby_until_activated():
             return 0
         client_side(plans, config.plan_addr, keys, insecure_plaintext=config.insecure_plaintext_zmq)

@@ -3,21 +3,24 @@
 On a machine with a few cores, a standby worker that loads the model while
 the first traffic runs takes those cores from the serving worker (on this
 2-core CPU offline-64 right after Ready took 1.12x as long with the standby
-loading meanwhile; bench/first_run.py). Two guards:
+loading meanwhile; bench/first_run.py). One guard or the other:
 
-    who                     what
-    the supervisor          starts the standby only once the serving worker has
-                            been quiet (``CpuQuiet``: under ``QUIET_CPU`` of a
-                            core over ``QUIET_SECONDS``), or after
-                            ``QUIET_MAX_WAIT_SECONDS`` of serving without a quiet
-                            moment (the fast takeover is worth a few contended
-                            seconds once)
-    the standby itself      loads and warms up at ``SCHED_IDLE`` (it runs only on
-                            a core nothing else wants) and is back at the normal
-                            policy before it waits to take over, where the
-                            process may raise its priority again (CAP_SYS_NICE,
-                            or RLIMIT_NICE: root outside a container, say);
-                            elsewhere it loads at the normal policy
+    where                           what
+    the standby may come back from  it loads and warms up at ``SCHED_IDLE`` (it
+    SCHED_IDLE (CAP_SYS_NICE, or    runs only on a core nothing else wants; the
+    RLIMIT_NICE: root outside a     threads it starts inherit that) and every
+    container, say)                 thread is back at the normal policy before it
+                                    waits to take over; the supervisor starts it
+                                    a few seconds after the serving worker's Ready
+                                    (first replay of offline-64 with it 1.033x as
+                                    long as without, against 1.116x unguarded)
+    elsewhere                       the supervisor starts it only once the serving
+                                    worker has been quiet (``CpuQuiet``: under
+                                    ``QUIET_CPU`` of a core over ``QUIET_SECONDS``),
+                                    or after ``QUIET_MAX_WAIT_SECONDS`` of serving
+                                    without a quiet moment (the fast takeover is
+                                    worth a few contended seconds once), and it
+                                    loads at the normal policy (1.005x)
 
 Both read Linux's /proc; elsewhere the first is a plain delay and the second
 does nothing.
