@@ -58,7 +58,7 @@ Why llguidance:
   * The cost: masks are several times slower (about 1.5 ms a step for 32
     JSON sequences on one core, 5-7 ms p99). The scheduler computes masks
     while the worker's forward runs (44-91 ms for a batch of 32 on the CPU,
-    docs/performance.md), so there it stays off the critical path. On a GPU
+    docs/journal/2026-11-26-first-cpu-figures.md), so there it stays off the critical path. On a GPU
     (decode steps of 2-4 ms) it is of the order of a step: ``fill_batch``
     spreads rows over llguidance's threads, without the GIL, and only
     constrained sequences pay; measure it there before relying on it.

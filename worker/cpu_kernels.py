@@ -7,7 +7,7 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   depend on how many rows share the call. bf16 runs on the fastest of
   Jitney's own kernels the CPU has (``linear_kernel()``): AMX-BF16 tiles, which
   stream the weights with prefetches (a decode step's linears ran 1.4-1.8x
-  faster than through oneDNN's brgemm, see docs/performance.md), else AVX-512
+  faster than through oneDNN's brgemm, see docs/journal/2026-11-26-cpu-floor.md), else AVX-512
   BF16 (vdpbf16ps, one K pair at a time), else the portable loops. float32:
   one oneDNN brgemm micro-kernel call per block. (oneDNN's own matmul picks
   blockings, and splits K between threads, by the number of rows: the same

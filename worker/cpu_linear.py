@@ -4,7 +4,7 @@
 weight packed once for oneDNN (``mkldnn._reorder_linear_weight``) runs the
 same product 1.4-1.5x faster at the batch sizes of decoding (1-64 rows;
 equal at 512), with bit-identical results in our measurements (see
-docs/performance.md). fp32 is left alone: there packing is slower at one row
+docs/journal/2026-11-26-first-cpu-figures.md). fp32 is left alone: there packing is slower at one row
 and does not round the same.
 """
 

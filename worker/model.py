@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
         ``InvariantCpuAttention``), without tensor parallelism (its all-reduce is
         Python's), with the CPU kernels' linears. None elsewhere: the layers run
         one op at a time. One forward of 30 layers is ~270 op calls from Python
-        otherwise: 1.2-1.5 ms of every step on a 2-core CPU (docs/performance.md)."""
+        otherwise: 1.2-1.5 ms of every step on a 2-core CPU (docs/journal/2026-11-27-layer-stack.md)."""
         if self._stack is not None and self._stack[0]() is kv_cache:
             return self._stack[1]
         stack = None
