@@ -24,6 +24,7 @@ that could be the start of a stop string is held back (at most
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -246,21 +247,59 @@ def _special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: character -> the byte it stands for."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in kept}
+    moved = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(moved)})
+    return table
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # SentencePiece's byte tokens
+
+
 class TokenTexts:
-    """Each token id's text decoded alone (for logprobs), cached: at most a
+    """Each token's own text and bytes (for logprobs), cached: at most a
     vocabulary's worth, and the same few thousand ids recur.
 
-    A token holding part of a UTF-8 character decodes to U+FFFD."""
+    The text is the token decoded alone. A token holding part of a UTF-8
+    character decodes to U+FFFD: its bytes are then read from its vocabulary
+    entry (byte-level BPE, or SentencePiece's <0xNN>), so that a client can
+    join the pieces up; otherwise they are the text's UTF-8.
+    """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
-            text = self._cache[token] = str(self.tokenizer.decode([token]))
-        return text
+        return self.entry(token)[0]
 
     def many(self, tokens: Iterable[int]) -> list[str]:
         return [self(t) for t in tokens]
+
+    def raw(self, token: int) -> list[int]:
+        return self.entry(token)[1]
+
+    def entry(self, token: int) -> tuple[str, list[int]]:
+        got = self._cache.get(token)
+        if got is None:
+            text = str(self.tokenizer.decode([token]))
+            raw = self._raw_bytes(token) if "\ufffd" in text else None
+            got = self._cache[token] = (text, list(raw if raw is not None else text.encode()))
+        return got
+
+    def _raw_bytes(self, token: int) -> bytes | None:
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+        except Exception:       # a tokenizer without a vocabulary view
+            return None
+        if not isinstance(piece, str) or not piece:
+            return None
+        if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(m.group(1), 16)])
+        if all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return None

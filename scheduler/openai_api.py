@@ -73,6 +73,7 @@ from jitney.scheduler.metrics import Metrics, RequestRecord, request_log
 from jitney.scheduler.request import FinishReason
 from jitney.scheduler.auth import bearer_token
 from jitney.scheduler.config import SamplingDefaults
+from jitney.scheduler.detokenizer import TokenTexts
 from jitney.scheduler.security import ApiKeys
 from jitney.scheduler.server import GenerationServicer, RequestRefused, ServingState
 
@@ -507,60 +508,6 @@ def usage_dict(event: StreamEvent) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": event.cached_prompt_tokens}}
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, reversed: character -> the byte it stands for."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in kept}
-    moved = [b for b in range(256) if b not in table.values()]
-    table.update({chr(256 + i): b for i, b in enumerate(moved)})
-    return table
-
-
-_BYTE_DECODER = _byte_decoder()
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # SentencePiece's byte tokens
-
-
-class _TokenText:
-    """Each token's own text and bytes (for logprobs), cached.
-
-    The text is the token decoded alone. A token holding part of a UTF-8
-    character decodes to U+FFFD: its bytes are then read from its vocabulary
-    entry (byte-level BPE, or SentencePiece's <0xNN>), so that a client can
-    join the pieces up; otherwise they are the text's UTF-8.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token: int) -> str:
-        return self.entry(token)[0]
-
-    def raw(self, token: int) -> list[int]:
-        return self.entry(token)[1]
-
-    def entry(self, token: int) -> tuple[str, list[int]]:
-        got = self._cache.get(token)
-        if got is None:
-            text = str(self.tokenizer.decode([token]))
-            raw = self._raw_bytes(token) if "\ufffd" in text else None
-            got = self._cache[token] = (text, list(raw if raw is not None else text.encode()))
-        return got
-
-    def _raw_bytes(self, token: int) -> bytes | None:
-        try:
-            piece = self.tokenizer.convert_ids_to_tokens(token)
-        except Exception:       # a tokenizer without a vocabulary view
-            return None
-        if not isinstance(piece, str) or not piece:
-            return None
-        if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
-            return bytes([int(m.group(1), 16)])
-        if all(c in _BYTE_DECODER for c in piece):
-            return bytes(_BYTE_DECODER[c] for c in piece)
-        return None
-
-
 @dataclass
 class _Choice:
     """One choice as it accumulates (a non-streamed answer) or streams."""
@@ -579,7 +526,7 @@ class _Formatter:
     """Builds the JSON of one request's answer, chunks or whole."""
 
     def __init__(self, parsed: ParsedRequest, response_id: str, model: str,
-                 token_text: _TokenText, echo_text: str) -> None:
+                 token_text: TokenTexts, echo_text: str) -> None:
         self.parsed = parsed
         self.id = response_id
         self.model = model
@@ -694,7 +641,6 @@ class OpenAIServer:
         self.servicer = servicer
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
-        self._token_text: _TokenText | None = None
         middlewares = [_json_errors] + ([_authenticate(keys, servicer.metrics)] if keys is not None else [])
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.app.router.add_get("/v1/models", self.list_models)
@@ -733,11 +679,6 @@ class OpenAIServer:
 
     def _model_entry(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jitney"}
-
-    def _tokens(self, state: ServingState) -> _TokenText:
-        if self._token_text is None or self._token_text.tokenizer is not state.tokenizer:
-            self._token_text = _TokenText(state.tokenizer)
-        return self._token_text
 
     # -- routes --------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -781,7 +722,7 @@ class OpenAIServer:
         handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
-            fmt = _Formatter(parsed, response_id, names[0], self._tokens(state), echo)
+            fmt = _Formatter(parsed, response_id, names[0], self.servicer.token_texts(state), echo)
             events = _events(handle, record)
             if parsed.stream:
                 return await _stream(request, events, fmt, parsed)

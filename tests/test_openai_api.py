@@ -32,7 +32,8 @@ from engine_sockets import WorkerSockets
 from fake_worker import FakeWorker, PlanError
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.main import SchedulerProcessConfig, _make_engine
-from jitney.scheduler.openai_api import OpenAIServer, ParsedRequest, _TokenText, openai_param, parse_request
+from jitney.scheduler.detokenizer import TokenTexts
+from jitney.scheduler.openai_api import OpenAIServer, ParsedRequest, openai_param, parse_request
 from jitney.scheduler.server import GenerationServicer
 from jitney.scheduler.serving import Lifecycle
 from jitney.scheduler.worker_link import WorkerLink
@@ -649,6 +650,6 @@ def test_validation_fields_are_named_as_openai_arguments() -> None:
 def test_logprob_bytes_join_up_across_a_split_character(tokenizer: Any) -> None:
     text = "snow \u2603 caf\u00e9"       # no merges for these: one byte-level token per byte
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    token_text = _TokenText(tokenizer)
+    token_text = TokenTexts(tokenizer)
     assert any(token_text(t) == "\ufffd" for t in ids)       # a piece of a character, alone
     assert bytes(b for t in ids for b in token_text.raw(t)).decode() == text
