@@ -31,14 +31,14 @@ from jitney.scheduler.auth import ApiKeyInterceptor, KeyLimiter
 from jitney.scheduler.config import SamplingDefaults, SchedulerConfig, SchedulingPolicy
 from jitney.scheduler.engine import Engine
 from jitney.scheduler.metrics import request_log
-from jitney.common.model_files import (ModelNotFoundError, ModelSettingsError, cache_root, generation_config,
-                                       load_tokenizer, model_name, read_chat_template, resolve_model,
-                                       use_chat_template)
+from jitney.common.model_files import (ModelFiles, ModelNotFoundError, ModelSettingsError, cache_root,
+                                       generation_config, load_tokenizer, model_name, read_chat_template,
+                                       resolve_model, use_chat_template)
 from jitney.common.zmq_security import (ServerKeys, add_link_security_arguments, check_endpoint,
                                          load_server_keys)
 from jitney.scheduler.server import GenerationServicer
 from jitney.scheduler.security import (SecurityError, ServerSecurity, add_security_arguments,
-                                       exposure_warning, load_security, security_fields)
+                                       exposure_warning, listen_grpc, load_security, security_fields)
 from jitney.scheduler.serving import Lifecycle, add_production_arguments, production_fields
 from jitney.scheduler.trace import StepTracer
 from jitney.scheduler.worker_link import WorkerLink
@@ -182,8 +182,10 @@ def _model_name(text: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """What ``model_settings`` read: the names, the template's text, the defaults."""
+    """What ``model_settings`` read: the model's files, the names, the template's
+    text, the defaults."""
 
+    files: ModelFiles
     names: tuple[str, ...]
     chat_template: str | None
     sampling_defaults: SamplingDefaults
@@ -199,7 +201,7 @@ def model_settings(cfg: SchedulerProcessConfig) -> ModelSettings:
     template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
     values, source = generation_config(files, cfg.generation_config)
     defaults = SamplingDefaults.from_config(values, source) if source else SamplingDefaults()
-    return ModelSettings(names, template, defaults)
+    return ModelSettings(files, names, template, defaults)
 
 
 async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = None,
@@ -225,8 +227,8 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
     server = _grpc_server(servicer, health_servicer, security)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    if (refused := _listen_grpc(server, cfg.host, cfg.port, security)) is not None:
-        print(f"jitney: {refused}", file=sys.stderr, flush=True)
+    if (refused := listen_grpc(server, cfg.host, cfg.port, security)) is not None:
+        print(f"jitney: {door_refused(cfg.host, cfg.port, '--port', refused)}", file=sys.stderr, flush=True)
         return 2
     await server.start()
     print(f"jitney: gRPC listening on {address} ({_door_security(security)}; waiting for the worker)",
@@ -270,8 +272,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
             signals = asyncio.get_running_loop()
             signals.add_signal_handler(signal.SIGINT, stop.set)     # end now
             signals.add_signal_handler(signal.SIGTERM, drain.set)   # drain, then end
-        files = resolve_model(cfg.model)
-        tokenizer = await asyncio.to_thread(load_tokenizer, files, cache_root())
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings.files, cache_root())
         if settings.chat_template is not None:
             assert cfg.chat_template is not None
             try:
@@ -299,21 +300,6 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
             opened_link.close()
         if tracer is not None:
             tracer.close()
-
-
-def _listen_grpc(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> str | None:
-    """Bind the gRPC port; why not, when it cannot be (None: bound)."""
-    address = f"{host}:{port}"
-    # gRPC binds every address the host resolves to and only warns when some
-    # fail: asked first, so that a port half in use is refused too.
-    if (problem := bind_problem(host, port)) is not None:
-        return door_refused(host, port, "--port", problem.strerror or problem)
-    try:
-        bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
-                 else server.add_insecure_port(address))
-    except RuntimeError as exc:     # grpcio raises where older versions returned 0
-        return door_refused(host, port, "--port", exc)
-    return None if bound else door_refused(host, port, "--port", "the bind failed")
 
 
 def _link_keys(cfg: SchedulerProcessConfig) -> ServerKeys | None:

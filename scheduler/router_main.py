@@ -21,13 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jitney.common.arg_types import non_negative_float, non_negative_int, positive_float, positive_int, tcp_port
-from jitney.common.ports import bind_problem
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from jitney.scheduler.replicas import MAX_MESSAGE_BYTES, Replica, ReplicaSet, ReplicaTls
 from jitney.scheduler.router import RouterServicer, keep_health
 from jitney.scheduler.routing import POLICIES, RoutingConfig, RoutingPolicy
-from jitney.scheduler.security import SecurityError, ServerSecurity, load_security
+from jitney.scheduler.security import SecurityError, listen_grpc, load_security
 
 log = logging.getLogger("jitney.router")
 
@@ -127,7 +126,7 @@ async def serve(cfg: RouterConfig, *, stop: asyncio.Event | None = None) -> int:
     server = _grpc_server(servicer, health_servicer)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    if (refused := _listen(server, cfg.host, cfg.port, security)) is not None:
+    if (refused := listen_grpc(server, cfg.host, cfg.port, security)) is not None:
         print(f"jitney router: cannot listen on {address} (--port {cfg.port}): {refused}",
               file=sys.stderr, flush=True)
         for channel in channels:
@@ -174,21 +173,6 @@ def _replica_channel(target: str, tls: ReplicaTls | None) -> grpc.aio.Channel:
     if tls is not None:
         return grpc.aio.secure_channel(target, tls.credentials(), options=options)
     return grpc.aio.insecure_channel(target, options=options)
-
-
-def _listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> object | None:
-    """Bind the router's port; why not, when it cannot be (None: bound). Asked
-    first (``jitney.common.ports``): gRPC only warns when some of the host's
-    addresses fail."""
-    if (problem := bind_problem(host, port)) is not None:
-        return problem.strerror or problem
-    address = f"{host}:{port}"
-    try:
-        bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
-                 else server.add_insecure_port(address))
-    except RuntimeError as exc:     # grpcio raises where older versions returned 0
-        return exc
-    return None if bound else "the bind failed"
 
 
 def _grpc_server(servicer: RouterServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from jitney.common.arg_types import positive_int
+from jitney.common.ports import bind_problem
 
 SHORT_KEY = 16                        # warn below this many characters
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -224,6 +225,22 @@ def load_security(tls_cert: str | None, tls_key: str | None, tls_client_ca: str 
     tls = load_server_tls(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
     keys, warnings = load_api_keys(api_key_file) if api_key_file is not None else (None, [])
     return ServerSecurity(tls, keys, max_requests_per_key), warnings
+
+
+def listen_grpc(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> object | None:
+    """Bind a gRPC server's port, with TLS when ``security`` has it; why it
+    cannot be bound (None: bound). Asked first (``jitney.common.ports``):
+    gRPC binds every address the host resolves to and only warns when some
+    fail, so a port half in use is refused too."""
+    if (problem := bind_problem(host, port)) is not None:
+        return problem.strerror or problem
+    address = f"{host}:{port}"
+    try:
+        bound = (server.add_secure_port(address, security.tls.grpc_credentials()) if security.tls
+                 else server.add_insecure_port(address))
+    except RuntimeError as exc:     # grpcio raises where older versions returned 0
+        return exc
+    return None if bound else "the bind failed"
 
 
 def exposure_warning(host: str, security: ServerSecurity) -> str | None:
