@@ -253,11 +253,13 @@ def llguidance_engine(tokenizer: Any, vocab_size: int, eos: list[int]) -> Engine
     def build() -> Any:
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
-    from jitney.scheduler.grammar import JSON_OPTIONS
+    # The whitespace-flexible options (lenient_json): the documents come in four
+    # whitespace styles, as xgrammar (any whitespace by default) gets them.
+    from jitney.scheduler.grammar import LENIENT_JSON_OPTIONS
 
     def compile_(lt: Any, kind: str, text: str) -> Any:
-        # The options Jitney serves with (bounded whitespace, \\u escapes).
-        grammar = (llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+        # Bounded whitespace, \\u escapes: what Jitney serves with lenient_json.
+        grammar = (llg.LLMatcher.grammar_from_json_schema(text, overrides=LENIENT_JSON_OPTIONS)
                    if kind == "json_schema" else llg.grammar_from(kind, text))  # type: ignore[arg-type]
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lt)
         if is_error:

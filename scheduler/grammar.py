@@ -127,9 +127,6 @@ LENIENT_JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}",
     "json_allow_general_unicode_escapes": True,
 }
-# The whitespace-flexible options: bench/grammar_engines.py feeds llguidance the
-# same documents in four whitespace styles as xgrammar (any whitespace by default).
-JSON_OPTIONS = LENIENT_JSON_OPTIONS
 
 JSON_KINDS = frozenset({"json_schema", "json_object"})
 
