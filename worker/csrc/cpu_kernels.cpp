@@ -702,6 +702,30 @@ inline void block_update(const float* __restrict__ q, const float* __restrict__ 
   }
 }
 
+// A later block's K and V runs (`lines` cache lines each) that block_update16
+// asks for into L2 a few lines at a time among its own work, rather than all
+// at once before it.
+struct SpreadPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0;
+  // Part `part` of `parts` of K's lines, or of V's.
+  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const { ask(k, part, parts); }
+  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const { ask(v, part, parts); }
+
+ private:
+  __attribute__((always_inline)) void ask(const char* run, int64_t part, int64_t parts) const {
+    if (!run) return;
+#if defined(__x86_64__)
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+      _mm_prefetch(run + line * 64, _MM_HINT_T1);
+#else
+    (void)part;
+    (void)parts;
+#endif
+  }
+};
+
 #if defined(__AVX512F__)
 // exp_nonpositive on 16 lanes: the same IEEE operations in the same order.
 __attribute__((always_inline)) inline __m512 exp_nonpositive16(__m512 x) {
@@ -758,25 +782,6 @@ struct Bf16Block {
   __m512 v(int64_t j, int64_t c) const {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + j * D + c));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-};
-
-// A later block's K and V runs (`lines` cache lines each) that block_update16
-// asks for into L2 a few lines at a time among its own work, rather than all
-// at once before it.
-struct SpreadPrefetch {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t lines = 0;
-  // Part `part` of `parts` of K's lines, or of V's.
-  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const { ask(k, part, parts); }
-  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const { ask(v, part, parts); }
-
- private:
-  __attribute__((always_inline)) void ask(const char* run, int64_t part, int64_t parts) const {
-    if (!run) return;
-    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
-      _mm_prefetch(run + line * 64, _MM_HINT_T1);
   }
 };
 
