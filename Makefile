@@ -36,7 +36,7 @@ SITE = $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 COMPILE_SITE = $(PY) -m compileall -q -j 2 "$(SITE)" >/dev/null || true
 
 $(STAMP): pyproject.toml Makefile
-	# The CPU kernels (worker/csrc) are compiled with the system's C++ compiler.
+	# The CPU kernels (worker/kernels/cpu/csrc) are compiled with the system's C++ compiler.
 	command -v c++ >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq g++)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml Makefile
 	# $$JITNEY_KERNEL_CACHE or ~/.cache/jitney/kernels) rather than inside the
 	# first start (README: "Batch invariance"); a failed build stops here with
 	# the compiler's output.
-	$(PY) -c "from jitney.worker import cpu_kernels; cpu_kernels.load()"
+	$(PY) -c "from jitney.worker.kernels.cpu import ops; ops.load()"
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
@@ -64,11 +64,11 @@ serve: $(STAMP)
 # whole), the longest files first (tests/conftest.py), one torch thread each:
 # on 2 cores most tests wait on processes and sockets, and OpenMP threads
 # spinning against each other would be slower.
-# The CPU kernels were built at install; a change to worker/csrc since then
+# The CPU kernels were built at install; a change to worker/kernels/cpu/csrc since then
 # rebuilds them here (41-47 s), while mypy checks the types on the other core;
 # a failed build stops here with the compiler's output.
 test: $(TEST_STAMP)
-	$(PY) -c "from jitney.worker import cpu_kernels; cpu_kernels.load()" & build=$$!; \
+	$(PY) -c "from jitney.worker.kernels.cpu import ops; ops.load()" & build=$$!; \
 	$(MAKE) --no-print-directory typecheck; checked=$$?; \
 	wait $$build && test $$checked -eq 0
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)

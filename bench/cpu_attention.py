@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jitney.worker.attention import (  # noqa: E402
+from jitney.worker.attention.backend import (  # noqa: E402
     AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

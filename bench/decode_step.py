@@ -18,7 +18,7 @@ call (``CausalLM.layer_stack``, the default) and op by op, on the same
 runner, in turns over ``--rounds`` rounds (median of the rounds' medians).
 
 To see the host work that a fast GPU forward exposes, use a tiny model
-(``--model``, e.g. one made by ``bench/tiny_models.py``) so the forward
+(``--model``, e.g. one made by ``tests/support/tiny_models.py``) so the forward
 is negligible, and ``--emulate-graphs``: decode steps then take the CUDA
 path's decode-graph route (padded to a captured size, all-greedy rows
 read the graph's own choice), the "graph" being the padded forward run
@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 from jitney.engine.v1 import engine_pb2 as e  # noqa: E402
 from jitney.worker.config import WorkerConfig  # noqa: E402
-from jitney.worker.cuda_graphs import DecodeGraphs, capture_sizes, greedy_packed  # noqa: E402
-from jitney.worker.runner import ModelRunner  # noqa: E402
+from jitney.worker.runner.cuda_graphs import DecodeGraphs, capture_sizes, greedy_packed  # noqa: E402
+from jitney.worker.runner.model_runner import ModelRunner  # noqa: E402
 
 
 class EmulatedGraphs(DecodeGraphs):

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 from jitney.client.bench import load_workload, replay, summarize  # noqa: E402
 
 WORKLOAD = ROOT / "bench" / "workloads" / "offline-64.jsonl"

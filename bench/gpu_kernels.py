@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel launch choices measured on the card: what ``worker/tuned/<card>.json`` is made of.
+"""Kernel launch choices measured on the card: what ``worker/kernels/triton/tuned/<card>.json`` is made of.
 
     python bench/gpu_kernels.py --out $OUT/kernels.md --json $OUT/kernels.json --tuned-dir $OUT/tuned
         [--shapes 1b 135m] [--budget-s 200]
@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from bench.gpu import SHAPES, ensure_jitney_importable, log  # noqa: E402
+from bench.gpu_sections.checkpoints import SHAPES  # noqa: E402
+from bench.gpu_sections.plumbing import ensure_jitney_importable, log  # noqa: E402
 
 SKINNY_CANDIDATES = [*((bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256) for w, s in ((4, 3), (4, 4), (8, 4))),
                      (16, 512, 4, 3), (16, 512, 4, 4)]
@@ -91,7 +92,7 @@ def graph_seconds(call: Callable[[int], Any], reps: int = 24, replays: int = 5) 
 def sweep_skinny(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
     import torch
 
-    from jitney.worker import triton_skinny
+    from jitney.worker.kernels.triton import skinny as triton_skinny
 
     rows_table: list[dict[str, Any]] = []
     report["skinny_rows_table"] = rows_table
@@ -157,7 +158,7 @@ def paged_inputs(tokens: int, nh: int, kvh: int, d: int, block_size: int = 16) -
 def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
     import torch
 
-    from jitney.worker import triton_attention as ta
+    from jitney.worker.attention import triton as ta
 
     layouts = sorted({(SHAPES[s]["num_attention_heads"], SHAPES[s]["num_key_value_heads"],
                        SHAPES[s]["hidden_size"] // SHAPES[s]["num_attention_heads"]) for s in shapes}, reverse=True)
@@ -342,7 +343,7 @@ def main() -> int:
 
 def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
     """The tuned file (``choose`` of the report, in ``--tuned-dir``), the report's markdown and its JSON."""
-    from jitney.worker import tuned_configs
+    from jitney.worker.runner import tuned_configs
 
     tuned = report["tuned"] = choose(report)
     args.tuned_dir.mkdir(parents=True, exist_ok=True)

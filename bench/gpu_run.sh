@@ -8,7 +8,7 @@
 #
 # Here, before the call:  bash ../shared/gpu/prepare.sh && bash bench/gpu_kit.sh
 # The call:               bash bench/gpu_run.sh   (carry: .device-kit)
-# KERNELS_S=0 skips part 2 (the bench then runs the shipped worker/tuned files); KTESTS_S=0 or TESTS_S=0
+# KERNELS_S=0 skips part 2 (the bench then runs the shipped worker/kernels/triton/tuned files); KTESTS_S=0 or TESTS_S=0
 # skips those tests; PYTEST_N=N runs the tests on N pytest-xdist workers (the GPU image has xdist).
 set -uo pipefail
 OUT=${OUT:-/tmp/jitney-gpu-out}; mkdir -p "$OUT"
@@ -27,7 +27,7 @@ pytests() {  # pytests SECONDS FILE TESTS...   (SECONDS 0: skipped; PYTEST_N=8: 
     ${PYTEST_N:+-n $PYTEST_N} "$@" \
     > "$OUT/$file" 2>&1; echo "tests exit $?" >> "$OUT/$file"; tail -3 "$OUT/$file"
 }
-pytests "$KTESTS_S" tests-kernels.txt ${KTESTS:-tests/test_triton_skinny.py tests/test_triton_fused.py tests/test_triton_kernels.py}
+pytests "$KTESTS_S" tests-kernels.txt ${KTESTS:-tests/worker/test_triton_skinny.py tests/worker/test_triton_fused.py tests/worker/test_triton_kernels.py}
 if [ "$KERNELS_S" != 0 ]; then
   timeout "$KERNELS_S" python3 bench/gpu_kernels.py --budget-s $((KERNELS_S - 20)) \
     --out "$OUT/kernels.md" --json "$OUT/kernels.json" --tuned-dir "$OUT/tuned" > "$OUT/kernels-log.txt" 2>&1
@@ -40,4 +40,4 @@ timeout "$BENCH_S" python3 bench/gpu.py --tokenizer .device-kit/tok --workload-d
 echo "bench exit $?" >> "$OUT/bench-log.txt"
 tar czf "$OUT/gpu-work.tgz" -C /tmp gpu-work 2>/dev/null
 tail -5 "$OUT/bench-log.txt"
-pytests "$TESTS_S" tests.txt ${TESTS:-tests/test_cuda.py tests/test_triton_worker.py tests/test_sampler.py}
+pytests "$TESTS_S" tests.txt ${TESTS:-tests/worker/test_cuda.py tests/worker/test_triton_worker.py tests/worker/test_sampler.py}

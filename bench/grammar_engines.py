@@ -255,7 +255,7 @@ def llguidance_engine(tokenizer: Any, vocab_size: int, eos: list[int]) -> Engine
 
     # The whitespace-flexible options (lenient_json): the documents come in four
     # whitespace styles, as xgrammar (any whitespace by default) gets them.
-    from jitney.scheduler.grammar import LENIENT_JSON_OPTIONS
+    from jitney.scheduler.core.grammar import LENIENT_JSON_OPTIONS
 
     def compile_(lt: Any, kind: str, text: str) -> Any:
         # Bounded whitespace, \\u escapes: what Jitney serves with lenient_json.
@@ -575,14 +575,14 @@ def main() -> int:
     if len(engines) == 2:
         out(f"\nmask agreement, {engines[0].name} vs {engines[1].name}:")
         mask_diff(engines, indices, setup, 8, out)
-    out("\nThe choice, as scheduler/grammar.py records it:")
+    out("\nThe choice, as scheduler/core/grammar.py records it:")
     out(decision())
     return 0
 
 
 def decision() -> str:
-    """The engine section of scheduler/grammar.py's docstring (numbers and reasons)."""
-    import jitney.scheduler.grammar as grammar
+    """The engine section of scheduler/core/grammar.py's docstring (numbers and reasons)."""
+    import jitney.scheduler.core.grammar as grammar
 
     doc = grammar.__doc__ or ""
     return doc[doc.find("Engine:"):].rstrip()

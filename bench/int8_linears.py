@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from jitney.worker import cpu_kernels  # noqa: E402
+from jitney.worker.kernels.cpu import ops as cpu_kernels  # noqa: E402
 
 
 class TorchLinear(torch.nn.Module):

@@ -52,7 +52,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 from jitney.client.client import Sampling, make_params  # noqa: E402
 from jitney.v1 import generation_pb2 as pb  # noqa: E402
 from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402

@@ -6,7 +6,7 @@
 
 On a shared machine the same build reads 10-15% apart from one process to
 the next (memory placement, neighbours' load), which is more than most
-kernel changes move. Here each ref's ``worker/csrc`` (a git ref, ``WORK``
+kernel changes move. Here each ref's ``worker/kernels/cpu/csrc`` (a git ref, ``WORK``
 for the working tree, or a folder) is compiled as its own operator
 namespace (``torch.ops.jitney_ab0``, ``jitney_ab1``, ...: the sources'
 ``TORCH_LIBRARY(jitney_cpu`` renamed, symbols hidden) and the builds take
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from jitney.worker import cpu_kernels  # noqa: E402
+from jitney.worker.kernels.cpu import ops as cpu_kernels  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(960, 576)] * 30 + [(576, 576)] * 30 + [(3072, 576)] * 30 + [(576, 1536)] * 30 + [(49152, 576)]
@@ -58,14 +58,18 @@ STEP_OPS = ("linear", "linear_int8", "linear_int4", "paged_attention", "silu_mul
 
 
 def sources(ref: str) -> dict[str, bytes]:
-    """``worker/csrc``'s files at ``ref``: a git ref, ``WORK`` (the working tree) or a folder."""
+    """``worker/kernels/cpu/csrc``'s files at ``ref``: a git ref, ``WORK`` (the working tree) or a folder."""
     if ref == "WORK" or Path(ref).is_dir():
-        folder = ROOT / "worker" / "csrc" if ref == "WORK" else Path(ref)
+        folder = ROOT / "worker" / "kernels" / "cpu" / "csrc" if ref == "WORK" else Path(ref)
         return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.suffix in (".cpp", ".h")}
-    names = subprocess.check_output(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:worker/csrc"],
-                                    text=True).split()
-    return {name: subprocess.check_output(["git", "-C", str(ROOT), "show", f"{ref}:worker/csrc/{name}"])
-            for name in names if name.endswith((".cpp", ".h"))}
+    # (revisions before the worker's sub-packages kept the sources in worker/csrc)
+    for where in ("worker/kernels/cpu/csrc", "worker/csrc"):
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:{where}"],
+                                capture_output=True, text=True)
+        if listed.returncode == 0:
+            return {name: subprocess.check_output(["git", "-C", str(ROOT), "show", f"{ref}:{where}/{name}"])
+                    for name in listed.stdout.split() if name.endswith((".cpp", ".h"))}
+    raise ValueError(f"{ref} has no CPU kernel sources (worker/kernels/cpu/csrc or worker/csrc)")
 
 
 def renamed(files: dict[str, bytes], namespace: str) -> dict[str, bytes]:
@@ -134,7 +138,7 @@ def _pass(calls: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]], xs: d
 
 
 def linears(builds: list[Any], refs: list[str], kind: str, rows_list: list[int], rounds: int) -> None:
-    from jitney.worker.cpu_kernels import quantize_int8
+    from jitney.worker.kernels.cpu.ops import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in SHAPES]
@@ -173,7 +177,7 @@ def linears(builds: list[Any], refs: list[str], kind: str, rows_list: list[int],
 def attention(builds: list[Any], refs: list[str], rounds: int) -> None:
     from bench.cpu_attention import BLOCK as block, HEAD_DIM as head_dim, HEADS as heads, KV_HEADS as kv_heads
     from bench.cpu_attention import case_metadata
-    from jitney.worker.attention import to_kernel_layout
+    from jitney.worker.attention.backend import to_kernel_layout
 
     layers = 30
     gen = torch.Generator().manual_seed(0)
@@ -209,7 +213,7 @@ def step(builds: list[Any], refs: list[str], mode: str, batches: list[int], roun
 
     config: dict[str, Any] = {} if mode == "bf16" else {"quantization": mode}
     runner = make_runner("auto", **config)
-    # Op by op: the one-call layer stack is the worker's own build's (csrc/cpu_stack.cpp calls
+    # Op by op: the one-call layer stack is the worker's own build's (csrc/layer_stack.cpp calls
     # its kernels directly), so switching the ops' namespace would not switch what it runs.
     runner.model.use_layer_stack = False
     namespace = torch.ops.jitney_cpu

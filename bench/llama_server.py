@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.server_harness import _stop, free_port
+from tests.support.server_harness import _stop, free_port
 from jitney.client.bench import Outcome, WorkItem, summarize
 
 BINARY = "llama-server"

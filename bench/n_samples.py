@@ -30,10 +30,10 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_harness import running_server  # noqa: E402
-from bench.tiny_models import make_tiny_llama  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
+from tests.support.tiny_models import make_tiny_llama  # noqa: E402
 from jitney.client.client import Sampling, make_params  # noqa: E402
-from jitney.scheduler.trace import read_trace  # noqa: E402
+from jitney.scheduler.core.trace import read_trace  # noqa: E402
 from jitney.v1 import generation_pb2 as pb  # noqa: E402
 from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 

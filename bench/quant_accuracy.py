@@ -5,7 +5,7 @@
 One fresh server at a time (default flags otherwise), the default model:
 
 * **Top-1 agreement on the parity prompts** (``QUESTIONS``, the eight chat
-  questions ``tests/test_server_parity.py`` also asks): each bf16 server's greedy output (24
+  questions ``tests/e2e/test_server_parity.py`` also asks): each bf16 server's greedy output (24
   tokens, ``ignore_eos``) is fed back to every server as a prompt with
   ``prompt_logprobs``; at every output position, does that server's most
   likely token equal bf16's greedy token? Teacher forcing compares every
@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 from jitney.client.client import Sampling, make_params  # noqa: E402
 from jitney.common.model_files import cache_root, load_tokenizer, resolve_model  # noqa: E402
 from jitney.v1 import generation_pb2 as pb  # noqa: E402

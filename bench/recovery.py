@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 from jitney.client.client import Sampling, make_params  # noqa: E402
 from jitney.v1 import generation_pb2 as pb  # noqa: E402
 from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grpc_health.v1 import health_pb2  # noqa: E402
 
-from bench.server_harness import Server, health_status, running_server  # noqa: E402
+from tests.support.server_harness import Server, health_status, running_server  # noqa: E402
 from jitney.client.bench import WorkItem, load_workload, replay, summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

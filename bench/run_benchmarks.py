@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import render  # noqa: E402
 from jitney.client.bench import WorkItem, load_workload  # noqa: E402
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 
 
 def run_server_case(name: str, workload: Path, flags: list[str], workdir: Path) -> dict[str, Any]:

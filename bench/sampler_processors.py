@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jitney.worker.input_batch import InputBatch, StagedStep, StepChunk  # noqa: E402
-from jitney.worker.sampler import sample_step  # noqa: E402
+from jitney.worker.runner.input_batch import InputBatch, StagedStep, StepChunk  # noqa: E402
+from jitney.worker.runner.sampler import sample_step  # noqa: E402
 
 CPU = torch.device("cpu")
 MODES = ((0.0, 1.0), (0.8, 1.0), (0.7, 0.9))   # (temperature, top_p): greedy, plain, top-p

@@ -1,6 +1,6 @@
 """The long soak: `python bench/soak.py [--kills 6] [--clients 32]`.
 
-The same fault-injection mix as tests/test_soak.py (see tests/soak.py), with
+The same fault-injection mix as tests/e2e/test_soak.py (see tests/support/soak_load.py), with
 more clients, more worker kills and more calls, against `jitney serve` on a
 tiny random model with a small KV cache. Prints the outcome counts; exits 1
 if any call broke a rule.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_harness import running_server  # noqa: E402
-from bench.soak_load import Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving  # noqa: E402
-from bench.tiny_models import make_tiny_llama  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
+from tests.support.soak_load import Soak, greedy_jobs, stream_tokens, wait_drained, wait_serving  # noqa: E402
+from tests.support.tiny_models import make_tiny_llama  # noqa: E402
 
 
 def main() -> int:

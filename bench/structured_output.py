@@ -81,7 +81,7 @@ import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 from jitney.client.client import FINISH_REASON_NAMES, Sampling, make_params, response_format  # noqa: E402
 from jitney.v1 import generation_pb2 as pb  # noqa: E402
 from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_harness import ROOT, running_server  # noqa: E402
+from tests.support.server_harness import ROOT, running_server  # noqa: E402
 
 SHAPE: dict[str, Any] = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
          "intermediate_size": 1536, "tie_word_embeddings": True, "vocab_size": 49152,
@@ -42,7 +42,7 @@ def make_model(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.gpu import make_fast_tokenizer
+    from bench.gpu_sections.checkpoints import make_fast_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})

@@ -8,7 +8,7 @@ One server at a time, alternating (plaintext, secured, plaintext, ...), the
 same model and flags; each round starts a fresh server and replays the
 workload with `jitney bench` (greedy, ignore_eos, exactly max_tokens), the
 secured one with ``--tls-ca`` and the key in ``JITNEY_API_KEY``. The
-certificates (bench/certs.py) and the key are made for the run in a
+certificates (tests/support/certs.py) and the key are made for the run in a
 temporary folder. Prints each run's throughput, the medians, and their ratio.
 """
 
@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "bench" / "workloads" / "offline-64.jsonl"
 sys.path.insert(0, str(ROOT))
 
-from bench.certs import make_pki  # noqa: E402
-from bench.server_harness import running_server  # noqa: E402
+from tests.support.certs import make_pki  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 from jitney.client.channel import API_KEY_ENV, TlsFiles  # noqa: E402
 
 

@@ -4,7 +4,7 @@
 ``jitney.worker``; ``generate``, ``health`` and ``bench`` are
 ``jitney.client``'s; ``plot`` draws step traces (``jitney.scheduler.plot``);
 ``keys`` writes the link's Curve keys (``jitney.common.zmq_security``);
-``router`` routes across replicas (``jitney.scheduler.router_main``).
+``router`` routes across replicas (``jitney.scheduler.router.main``).
 The client's small command module is imported at start; the scheduler and
 the worker only inside the function that runs them, so the client library
 never pulls in the server's code.
@@ -30,7 +30,7 @@ def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     serve = sub.add_parser("serve", help="run the scheduler and one worker (the usual way)")
     add_worker_arguments(serve)
     add_scheduler_arguments(serve, with_shared=False)
-    from jitney.scheduler.supervisor import add_supervisor_arguments
+    from jitney.scheduler.launch.supervisor import add_supervisor_arguments
 
     add_supervisor_arguments(serve)
     from jitney.worker.config import add_dist_timeout_argument
@@ -48,7 +48,7 @@ def _server_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def _router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from jitney.scheduler.router_main import add_router_arguments
+    from jitney.scheduler.router.main import add_router_arguments
 
     router = sub.add_parser("router", help="route requests across several Jitney servers (cache-aware)")
     add_router_arguments(router)
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _security_problem(ns: argparse.Namespace) -> str | None:
     """Why the TLS / API-key flags cannot be used (files read and checked), before
     any process starts; None when they can."""
-    from jitney.scheduler.security import SecurityError, load_security, security_fields
+    from jitney.scheduler.security.tls import SecurityError, load_security, security_fields
 
     try:
         load_security(**security_fields(ns))
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "keys":
         return _run_keys(ns)
     if ns.command == "router":
-        from jitney.scheduler.router_main import RouterConfig, run_router
+        from jitney.scheduler.router.main import RouterConfig, run_router
 
         _configure_logging(ns.log_level)
         return run_router(RouterConfig.from_namespace(ns))
@@ -165,7 +165,7 @@ def _run_server_command(parser: argparse.ArgumentParser, ns: argparse.Namespace)
 
         return run_worker(WorkerConfig.from_namespace(ns))
     from jitney.common.zmq_security import load_client_keys, load_server_keys
-    from jitney.scheduler.supervisor import child_argv, supervise, tensor_parallel_problem
+    from jitney.scheduler.launch.supervisor import child_argv, supervise, tensor_parallel_problem
 
     if ns.curve_keys:      # both children read this folder: check it before either starts
         load_server_keys(ns.curve_keys)

@@ -17,36 +17,30 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from jitney.common.arg_types import int_in, positive_int, tcp_port
 from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
-from jitney.v1 import generation_pb2 as pb
-from jitney.v1 import generation_pb2_grpc as pb_grpc
-from jitney.scheduler.admission import AdmissionLimits
-from jitney.scheduler.auth import ApiKeyInterceptor, KeyLimiter
-from jitney.scheduler.config import SamplingDefaults, SchedulerConfig, SchedulingPolicy
-from jitney.scheduler.engine import Engine
-from jitney.scheduler.metrics import request_log
+from jitney.scheduler.core.admission import AdmissionLimits
+from jitney.scheduler.security.keys import KeyLimiter
+from jitney.scheduler.core.config import SchedulerConfig, SchedulingPolicy
+from jitney.scheduler.api.sampling_defaults import SamplingDefaults
+from jitney.scheduler.core.engine import Engine
 from jitney.common.model_files import (ModelFiles, ModelNotFoundError, ModelSettingsError, cache_root,
                                        generation_config, load_tokenizer, model_name, read_chat_template,
                                        resolve_model, use_chat_template)
 from jitney.common.zmq_security import (ServerKeys, add_link_security_arguments, check_endpoint,
                                          load_server_keys)
-from jitney.scheduler.server import GenerationServicer
-from jitney.scheduler.security import (SecurityError, ServerSecurity, add_security_arguments,
+from jitney.scheduler.api.grpc import grpc_server, set_health
+from jitney.scheduler.api.servicer import GenerationServicer
+from jitney.scheduler.security.tls import (SecurityError, ServerSecurity, add_security_arguments,
                                        exposure_warning, listen_grpc, load_security, security_fields)
-from jitney.scheduler.serving import Lifecycle, add_production_arguments, production_fields
-from jitney.scheduler.trace import StepTracer
-from jitney.scheduler.worker_link import WorkerLink
+from jitney.scheduler.lifecycle import Lifecycle, add_production_arguments, production_fields
+from jitney.scheduler.core.trace import StepTracer
+from jitney.scheduler.core.worker_link import WorkerLink
 
 log = logging.getLogger("jitney.scheduler")
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,7 @@ class SchedulerProcessConfig:
     policy: SchedulingPolicy     # continuous | static | sequential
     plan_addr: str               # ZeroMQ endpoint the scheduler binds for plans
     result_addr: str             # ZeroMQ endpoint the scheduler binds for results
-    trace: str | None = None     # write a JSONL step trace here (see scheduler/trace.py)
+    trace: str | None = None     # write a JSONL step trace here (see scheduler/core/trace.py)
     prefix_cache: bool = True    # share cached prompt prefixes (off: --no-prefix-cache)
     max_queued_requests: int = 256       # waiting requests; beyond: RESOURCE_EXHAUSTED
     max_queued_tokens: int = 262_144     # tokens of waiting requests; beyond: RESOURCE_EXHAUSTED
@@ -74,7 +68,7 @@ class SchedulerProcessConfig:
     tls_cert: str | None = None          # PEM certificate chain: TLS on both doors (with tls_key)
     tls_key: str | None = None           # PEM private key of tls_cert
     tls_client_ca: str | None = None     # PEM CA that client certificates must chain to (mTLS)
-    api_key_file: str | None = None      # keys that calls must bear (scheduler/security.py)
+    api_key_file: str | None = None      # keys that calls must bear (scheduler/security/tls.py)
     max_requests_per_key: int | None = None  # generation requests in flight per key; None = any
     curve_keys: str | None = None        # folder of the link's Curve keys (jitney.common.zmq_security)
     insecure_plaintext_zmq: bool = False  # allow a tcp:// link without keys
@@ -224,8 +218,8 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
     if settings.sampling_defaults.values():
         print(f"jitney: {settings.sampling_defaults.describe()}", flush=True)
     health_servicer = health.aio.HealthServicer()
-    server = _grpc_server(servicer, health_servicer, security)
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = grpc_server(servicer, health_servicer, security)
+    await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
     if (refused := listen_grpc(server, cfg.host, cfg.port, security)) is not None:
         print(f"jitney: {door_refused(cfg.host, cfg.port, '--port', refused)}", file=sys.stderr, flush=True)
@@ -249,7 +243,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
         servicer.metrics.log_prompts = cfg.log_prompts
         if cfg.openai_port:
             # Imported only when asked for: aiohttp stays out of a plain gRPC server.
-            from jitney.scheduler.openai_api import OpenAIServer
+            from jitney.scheduler.api.http.app import OpenAIServer
 
             openai = OpenAIServer(servicer, security.keys)
             try:    # aiohttp's TCPSite: SO_REUSEADDR, never SO_REUSEPORT (reuse_port stays None)
@@ -281,7 +275,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
                 print(f"jitney: {exc}", file=sys.stderr, flush=True)
                 return 2
             print(f"jitney: chat template from {cfg.chat_template}", flush=True)
-        life = Lifecycle(link, servicer, lambda status: _set_health(health_servicer, status),
+        life = Lifecycle(link, servicer, lambda status: set_health(health_servicer, status),
                          lambda ready: _make_engine(cfg, link, tokenizer, ready, tracer), tokenizer,
                          address, cfg.drain_seconds, stop, drain)
         return await life.run()
@@ -292,7 +286,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
             # restored SIGTERM's default on closing the loop.
             signals.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=1.0)
         if openai_server is not None:
             await openai_server.stop()
@@ -308,28 +302,6 @@ def _link_keys(cfg: SchedulerProcessConfig) -> ServerKeys | None:
     for endpoint in (cfg.plan_addr, cfg.result_addr):
         check_endpoint(endpoint, have_keys=keys is not None, insecure_plaintext=cfg.insecure_plaintext_zmq)
     return keys
-
-
-def _grpc_server(servicer: GenerationServicer, health_servicer: health.aio.HealthServicer,
-                 security: ServerSecurity) -> grpc.aio.Server:
-    """The gRPC server with its three services; with API keys, their interceptor."""
-    interceptors = []
-    if security.keys is not None:
-        def refused(method: str, peer: str, why: str) -> None:
-            servicer.metrics.failure("UNAUTHENTICATED")
-            request_log.info("call %s from %s: rejected UNAUTHENTICATED (%s)", method, peer, why)
-
-        interceptors.append(ApiKeyInterceptor(security.keys, refused))
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),   # a second server on this port fails its bind (jitney.common.ports)
-    ])
-    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    return server
 
 
 def _door_security(security: ServerSecurity) -> str:
@@ -368,11 +340,6 @@ def _step_limit(name: str, asked: int | None, worker: int) -> int:
                        name.replace("_", "-"), asked, worker, worker)
         return worker
     return asked
-
-
-async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
-    await servicer.set("", status)
-    await servicer.set(SERVICE_NAME, status)
 
 
 def run_scheduler(cfg: SchedulerProcessConfig) -> int:

@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from jitney.scheduler.trace import read_trace
+from jitney.scheduler.core.trace import read_trace
 
 MISSING_MATPLOTLIB = ("jitney plot needs matplotlib, which is not installed: pip install 'jitney[plot]' "
                       "(in a checkout: make venv)")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.server_harness import Server, running_server
+from tests.support.server_harness import Server, running_server
 
 # The test files that take longest (seconds, all their tests, a clean-clone run on 2 cores,
 # 2026-11-27), in that order. `make test` runs two pytest-xdist workers a file at a time in
@@ -22,7 +22,7 @@ LONGEST_FILES = (
     "test_tensor_parallel.py",    # 46
     "test_worker_model.py",       # 38
     "test_production.py",         # 32
-    "test_security.py",           # 25
+    "test_security_flags.py",     # 25 (test_security.py before its split: the real `jitney serve`)
     "test_e2e_router.py",         # 25
 )
 

@@ -252,11 +252,12 @@ def test_wheel_has_one_top_level_name(installed_wheel: tuple[Path, Path]) -> Non
         tops = {name.split("/")[0] for name in zf.namelist() if ".dist-info/" not in name}
         names = set(zf.namelist())
     assert tops == {"jitney"}
-    for module in ("jitney/cli.py", "jitney/scheduler/engine.py", "jitney/worker/runner.py",
+    csrc = "jitney/worker/kernels/cpu/csrc"
+    for module in ("jitney/cli.py", "jitney/scheduler/core/engine.py", "jitney/scheduler/api/http/openai/routes.py",
+                   "jitney/worker/runner/model_runner.py", "jitney/worker/models/llama.py",
                    "jitney/client/client.py", "jitney/v1/generation_pb2.pyi", "jitney/engine/v1/engine_pb2.py",
-                   "jitney/common/model_files.py", "jitney/worker/csrc/cpu_kernels.cpp",
-                   "jitney/worker/csrc/cpu_int8.cpp", "jitney/worker/csrc/cpu_layer.cpp",
-                   "jitney/worker/csrc/convert.h"):
+                   "jitney/common/model_files.py", f"{csrc}/library.cpp", f"{csrc}/linear_int8.cpp",
+                   f"{csrc}/elementwise.cpp", f"{csrc}/layer_stack.cpp", f"{csrc}/convert.h"):
         assert module in names
 
 
@@ -276,8 +277,8 @@ def test_installed_wheel_runs_the_cli(installed_wheel: tuple[Path, Path]) -> Non
     assert out.returncode == 0, out.stderr
     for command in ("serve", "scheduler", "worker", "generate", "health", "bench", "plot"):
         assert command in out.stdout
-    where = _run_in(python, "-c", "import jitney.client, jitney.scheduler.engine; "
-                                  "print(jitney.client.__file__); print(jitney.scheduler.engine.__file__)")
+    where = _run_in(python, "-c", "import jitney.client, jitney.scheduler.core.engine; "
+                                  "print(jitney.client.__file__); print(jitney.scheduler.core.engine.__file__)")
     assert where.returncode == 0, where.stderr
     for line in where.stdout.split():
         assert line.startswith(str(python.parent.parent)), line  # the wheel's copy, not this checkout

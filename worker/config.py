@@ -68,7 +68,7 @@ class WorkerConfig:
       max_model_len: cap on the context length (prompt + output tokens);
         ``None`` means the model's own limit.
       hang_timeout: seconds the serve loop may spend in one step or one wait
-        for a message before the watchdog (``worker/watchdog.py``) dumps the
+        for a message before the watchdog (``worker/runner/watchdog.py``) dumps the
         stacks and exits the process (status 1); 0 = off, else at least
         ``MIN_HANG_TIMEOUT`` (an idle worker waits 1 s between heartbeats).
         Matches the scheduler's ``--worker-timeout`` default: a worker that
@@ -80,7 +80,7 @@ class WorkerConfig:
         (the CPU path is batch-invariant by construction), off on CUDA until
         its cost is measured on a GPU; ``True`` on CUDA swaps the model's
         linear layers for the Triton batch-invariant matmul
-        (``worker/triton_matmul.py``); ``False`` on the CPU uses oneDNN's
+        (``worker/kernels/triton/matmul.py``); ``False`` on the CPU uses oneDNN's
         faster but batch-size-dependent kernels.
       quantization: ``int8``: every linear layer and the logits' head keep
         int8 weights with one scale per output channel, quantized at load from
@@ -90,15 +90,15 @@ class WorkerConfig:
         the head in int8, CPU only. ``none``: weights in ``dtype``.
       skinny_rows: steps of at most this many tokens run their linear layers
         through the skinny Triton kernels, with the norms, residual adds and
-        SiLU·mul folded in (``worker/triton_skinny.py``): Triton attention
+        SiLU·mul folded in (``worker/kernels/triton/skinny.py``): Triton attention
         without batch invariance only. ``None`` = the device's default
         (``device.SKINNY_ROWS`` on CUDA, 0 elsewhere); 0 = never; at most 64.
       weights_cache: folder of the converted-weights cache
-        (``worker/weights_cache.py``); ``None`` = ``$JITNEY_WEIGHTS_CACHE`` or
+        (``worker/loading/weights_cache.py``); ``None`` = ``$JITNEY_WEIGHTS_CACHE`` or
         ``~/.cache/jitney/weights``.
       use_weights_cache: False loads from the model's files every time.
       tp_rank, tp_size: this process's rank in a tensor-parallel group of
-        ``tp_size`` worker processes (``worker/parallel.py``); 1 = no tensor
+        ``tp_size`` worker processes (``worker/distributed/parallel.py``); 1 = no tensor
         parallelism. Rank 0 talks to the scheduler and relays every plan to
         the others, which need no ZeroMQ endpoints.
       dist_init: the group's ``torch.distributed`` rendezvous,

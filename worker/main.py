@@ -64,11 +64,11 @@ from jitney.common.incarnation import new_incarnation, routing_id
 from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV, pipe_ended
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
-from jitney.worker import parallel
+from jitney.worker.distributed import parallel
 from jitney.worker.config import WorkerConfig, add_parallel_arguments, add_worker_arguments
-from jitney.worker.plan import PlanError
-from jitney.worker.runner import MaskError, MaskSource, ModelRunner
-from jitney.worker.watchdog import Watchdog
+from jitney.worker.runner.plan_checks import PlanError
+from jitney.worker.runner.model_runner import MaskError, MaskSource, ModelRunner
+from jitney.worker.runner.watchdog import Watchdog
 
 logger = logging.getLogger("jitney.worker")
 

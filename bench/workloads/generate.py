@@ -6,7 +6,7 @@
         [--prompt-max 512] [--out-median 64] [--out-max 256] [--shared-prefix 0] [-o FILE]
 
 ``write`` writes the shipped files (default: all four, into this folder);
-tests/test_workloads.py checks that they come out byte for byte as shipped.
+tests/bench/test_workloads.py checks that they come out byte for byte as shipped.
 ``random`` prints (or writes to ``-o``) a workload of random token ids with
 other parameters.
 

@@ -1,0 +1,1 @@
+"""The HTTP doors: one aiohttp app, one package per protocol (openai/)."""

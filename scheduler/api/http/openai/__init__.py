@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API (``--openai-port``): its requests, its responses, its routes."""

@@ -1,0 +1,349 @@
+"""The gRPC face of the scheduler process: jitney.v1.GenerationService.
+
+Handlers validate, submit to the Engine and relay its events. Every error a
+client can cause ends as a gRPC status on that call only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from jitney.engine.v1 import engine_pb2
+from jitney.v1 import generation_pb2 as pb
+from jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.scheduler.core.admission import QueueFullError
+from jitney.scheduler.security.keys import KeyLimiter, KeyLimitError, caller_key
+from jitney.scheduler.api.sampling_defaults import SamplingDefaults
+from jitney.scheduler.core.detokenizer import TokenTexts
+from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
+from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
+from jitney.scheduler.core.request import FinishReason
+from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
+from jitney.scheduler.core.request import InvalidRequestError, ValidatedRequest
+
+if TYPE_CHECKING:
+    from jitney.scheduler.core.grammar import GrammarCompiler
+
+log = logging.getLogger("jitney.scheduler")
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+}
+
+
+@dataclass
+class ServingState:
+    """What the handlers need once the worker is ready (None before)."""
+
+    engine: Engine
+    ready: engine_pb2.Ready
+    limits: ModelLimits
+    tokenizer: Any
+
+
+class RequestRefused(Exception):
+    """A request the server did not take: a grpc.StatusCode name, the message,
+    and the InvalidRequestError when that was the reason."""
+
+    def __init__(self, code: str, message: str, invalid: InvalidRequestError | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.invalid = code, message, invalid
+
+
+def new_seed() -> int:
+    return random.getrandbits(63)
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """``key_limits``: requests in flight per API key name, shared by both doors;
+    ``api_keys``: whether the doors check keys (metrics then carry a key label);
+    ``model_names``: the names both doors answer to, the primary first
+    (``--served-model-name``; empty: the worker's ``model_name``);
+    ``sampling_defaults``: the generation config's defaults for unset fields."""
+
+    def __init__(self, metrics: Metrics | None = None, *, api_keys: bool = False,
+                 key_limits: KeyLimiter | None = None, model_names: Sequence[str] = (),
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
+        self.state: ServingState | None = None
+        self.model_names = tuple(model_names)
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self._token_texts: TokenTexts | None = None
+        # Built at the first constrained request (its tokenizer index takes
+        # ~0.5 s), kept across worker restarts of the same vocabulary.
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = asyncio.Lock()
+        self.metrics = metrics or Metrics(lambda: self.state.engine if self.state else None,
+                                          key_label=api_keys)
+        self.key_limits = key_limits or KeyLimiter()
+        # While None: new requests are taken. Else why they get UNAVAILABLE
+        # (draining); with no state, the same or "not ready".
+        self.refusing: str | None = None
+
+    def served_names(self, state: ServingState) -> tuple[str, ...]:
+        """The model's names in the API, the primary first."""
+        return self.model_names or (state.ready.model_name,)
+
+    def token_texts(self, state: ServingState) -> TokenTexts:
+        """Token id -> text, for logprobs (one cache per tokenizer)."""
+        if self._token_texts is None or self._token_texts.tokenizer is not state.tokenizer:
+            self._token_texts = TokenTexts(state.tokenizer)
+        return self._token_texts
+
+    async def _serving(self, context: grpc.aio.ServicerContext) -> ServingState:
+        if self.state is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                self.refusing or "the worker is not ready yet")
+        assert self.state is not None
+        return self.state
+
+    async def _submit(self, params: pb.GenerationParams, context: grpc.aio.ServicerContext
+                      ) -> tuple[ServingState, RequestHandle, RequestRecord]:
+        state = await self._serving(context)
+        try:
+            handle, record, _ = await self.admit(state, params, context.time_remaining(),
+                                                 caller_key.get())
+        except RequestRefused as refused:
+            await context.abort(grpc.StatusCode[refused.code], refused.message)
+            raise AssertionError("unreachable") from None
+        return state, handle, record
+
+    async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None,
+                    key: str | None = None) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
+        """Validate, submit and track one request: the one path of every door
+        (gRPC, the OpenAI door). A refusal is counted and logged, then raised
+        as ``RequestRefused``; ``time_remaining`` is the caller's deadline,
+        ``key`` the name of its API key. The request holds one of the key's
+        slots (``--max-requests-per-key``) until its record ends."""
+        code, message, invalid = "UNAVAILABLE", self.refusing, None
+        release = None
+        try:
+            if message is None:
+                release = self.key_limits.acquire(key)
+                validated = await self.validate(state, params)
+                handle = state.engine.submit(validated, time_remaining)
+                record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
+                                            _prompt_for_log(params) if self.metrics.log_prompts else None,
+                                            key)
+                record.on_end(release)
+                release = None
+                return handle, record, validated
+        except KeyLimitError as exc:
+            code, message = "RESOURCE_EXHAUSTED", str(exc)
+        except InvalidRequestError as exc:
+            code, message, invalid = "INVALID_ARGUMENT", str(exc), exc
+        except QueueFullError as exc:
+            code, message = "RESOURCE_EXHAUSTED", str(exc)
+        except EngineUnavailableError as exc:
+            message = str(exc)
+        finally:
+            if release is not None:     # not admitted: the slot goes back at once
+                release()
+        self.metrics.failure(code, key)
+        request_log.info("request %s:%s rejected %s (%s)", params.request_id or "-", key_field(key),
+                         code, message)
+        raise RequestRefused(code, message, invalid)
+
+    async def validate(self, state: ServingState, params: pb.GenerationParams) -> ValidatedRequest:
+        """Every rule of ``validate_generation``, then the response format's
+        grammar compiled (off the loop, bounded in time). Raises
+        InvalidRequestError, or QueueFullError when the compiler is saturated."""
+        defaults = self.sampling_defaults
+        if defaults.needs_fill(params.sampling):     # a copy: the caller's message stays as sent
+            filled = pb.GenerationParams()
+            filled.CopyFrom(params)
+            defaults.fill(filled.sampling, state.limits.vocab_size)
+            params = filled
+        validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+        max_tokens = defaults.max_tokens_for(params.sampling, validated.sampling.max_tokens,
+                                             validated.sampling.min_tokens)
+        if max_tokens != validated.sampling.max_tokens:
+            validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
+        if not params.HasField("response_format"):
+            return validated
+        compiler = await self._grammar_compiler(state)
+        return replace(validated, grammar=await compiler.compile(params.response_format))
+
+    async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:
+        async with self._grammars_lock:
+            vocab, eos = state.ready.vocab_size, sorted(state.ready.eos_token_ids)
+            current = self._grammars
+            if current is None or (current.vocab_size, sorted(current.eos_token_ids)) != (vocab, eos):
+                from jitney.scheduler.core.grammar import GrammarCompiler
+
+                self._grammars = await asyncio.to_thread(GrammarCompiler, state.tokenizer, vocab,
+                                                         eos_token_ids=eos)
+            assert self._grammars is not None
+            return self._grammars
+
+    async def GenerateStream(self, request: pb.GenerateStreamRequest,
+                             context: grpc.aio.ServicerContext):  # type: ignore[override]
+        state, handle, record = await self._submit(request.params, context)
+        texts = self.token_texts(state)
+        sampled_texts = request.params.sampling.HasField("top_logprobs")
+        try:
+            async for event in handle.stream():
+                await _record(record, event, context)
+                yield _stream_response(handle.request_id, event, texts, sampled_texts)
+        finally:
+            # Runs on normal end, on error and when the client cancels or
+            # disconnects (the handler task is cancelled): frees the blocks.
+            record.on_error("CANCELLED", "the client went away")   # no-op once ended
+            state.engine.cancel(handle)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        state, handle, record = await self._submit(request.params, context)
+        texts = self.token_texts(state)
+        sampled_texts = request.params.sampling.HasField("top_logprobs")
+        response = pb.GenerateResponse(request_id=handle.request_id)
+        samples = [pb.GeneratedSample(index=i) for i in range(len(handle.samples))]
+        try:
+            async for event in handle.stream():
+                await _record(record, event, context)
+                sample = samples[event.sample_index]
+                sample.text += event.text
+                sample.token_ids.extend(event.token_ids)
+                sample.logprobs.extend(event.logprobs)
+                sample.top_logprobs.extend(_top_logprobs(event, texts))
+                if sampled_texts:
+                    sample.tokens.extend(texts.many(event.token_ids))
+                if event.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(_prompt_logprobs(event, texts))
+                if event.finish_reason is not None:
+                    sample.finish_reason = FINISH_REASONS[event.finish_reason]
+                if event.stream_done:
+                    response.usage.CopyFrom(_usage(event))
+        finally:
+            record.on_error("CANCELLED", "the client went away")   # no-op once ended
+            state.engine.cancel(handle)
+        first = samples[0]
+        response.text, response.finish_reason = first.text, first.finish_reason
+        response.token_ids.extend(first.token_ids)
+        response.logprobs.extend(first.logprobs)
+        response.top_logprobs.extend(first.top_logprobs)
+        response.tokens.extend(first.tokens)
+        if len(samples) > 1:
+            response.samples.extend(samples)
+        return response
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        state = await self._serving(context)
+        try:
+            ids = validate_tokenize(request, state.tokenizer, state.limits)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        tokens = [state.tokenizer.decode([i]) for i in ids]
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        state = await self._serving(context)
+        ready, cfg = state.ready, state.engine.config
+        return pb.GetModelInfoResponse(
+            model_name=self.served_names(state)[0],
+            context_length=state.limits.context_length,
+            vocab_size=ready.vocab_size,
+            eos_token_ids=list(ready.eos_token_ids),
+            num_kv_blocks=ready.num_blocks,
+            block_size=ready.block_size,
+            dtype=ready.dtype,
+            device=ready.device,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            warmup_seconds=ready.warmup_seconds,
+            batch_invariant=ready.batch_invariant,
+            quantization=ready.quantization or "none",
+        )
+
+    async def GetServerStats(self, request: pb.GetServerStatsRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:
+        engine = (await self._serving(context)).engine
+        sched = engine.scheduler
+        return pb.GetServerStatsResponse(
+            requests_running=sched.num_running,
+            requests_waiting=sched.num_waiting,
+            kv_blocks_total=engine.config.num_blocks,
+            kv_blocks_used=sched.block_manager.num_used_blocks,
+            steps=engine.num_steps,
+            preemptions=engine.num_preemptions,
+            prefix_cache_queried_tokens=sched.block_manager.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=sched.block_manager.prefix_cache_hit_tokens,
+            worker_pid=self.state.ready.worker_pid if self.state else 0,
+            worker_restarts=self.metrics.state.worker_restarts,
+            grammar_masked_steps=engine.num_masked_steps,
+            grammar_mask_seconds=engine.mask_seconds,
+        )
+
+
+async def _record(record: RequestRecord, event: StreamEvent,
+                  context: grpc.aio.ServicerContext) -> None:
+    """Feed ``event`` to the request's record; abort the call on an error event."""
+    if event.error is not None:
+        record.on_error(event.error_code, event.error)
+        await context.abort(grpc.StatusCode[event.error_code], event.error)
+    record.on_tokens(len(event.token_ids))
+    if event.stream_done:
+        assert event.finish_reason is not None
+        record.on_finish(event.finish_reason.value)
+
+
+def _prompt_for_log(params: pb.GenerationParams) -> object:
+    kind = params.WhichOneof("prompt")
+    if kind == "text":
+        return params.text
+    if kind == "token_ids":
+        return list(params.token_ids.ids)
+    return [(m.role, m.content) for m in params.chat.messages]
+
+
+def _usage(event: StreamEvent) -> pb.Usage:
+    return pb.Usage(prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                    cached_prompt_tokens=event.cached_prompt_tokens)
+
+
+def _top(top: list[tuple[int, float]], texts: TokenTexts) -> pb.TopLogprobs:
+    ids = [t for t, _ in top]
+    return pb.TopLogprobs(token_ids=ids, logprobs=[lp for _, lp in top], tokens=texts.many(ids))
+
+
+def _top_logprobs(event: StreamEvent, texts: TokenTexts) -> list[pb.TopLogprobs]:
+    return [_top(top, texts) for top in event.top_logprobs]
+
+
+def _prompt_logprobs(event: StreamEvent, texts: TokenTexts) -> list[pb.PromptTokenLogprob]:
+    assert event.prompt_logprobs is not None
+    out = []
+    for token, logprob, top in event.prompt_logprobs:
+        entry = pb.PromptTokenLogprob(token_id=token, token=texts(token), top=_top(top, texts))
+        if logprob is not None:
+            entry.logprob = logprob
+        out.append(entry)
+    return out
+
+
+def _stream_response(request_id: str, event: StreamEvent, texts: TokenTexts,
+                     sampled_texts: bool) -> pb.GenerateStreamResponse:
+    """One stream message; ``sampled_texts``: with the sampled tokens' texts."""
+    response = pb.GenerateStreamResponse(
+        request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text,
+        sample_index=event.sample_index, top_logprobs=_top_logprobs(event, texts),
+        tokens=texts.many(event.token_ids) if sampled_texts else [])
+    if event.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_prompt_logprobs(event, texts))
+    if event.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[event.finish_reason]
+    if event.stream_done:
+        response.usage.CopyFrom(_usage(event))
+    return response

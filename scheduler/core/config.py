@@ -1,0 +1,77 @@
+"""Scheduler configuration: one frozen object per process, built once.
+
+``num_blocks`` and ``block_size`` come from the worker's Ready handshake; the
+rest from flags. Derived values are computed by whoever needs them, never
+written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+SchedulingPolicy = Literal["continuous", "static", "sequential"]
+POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may do in one step, and with how much KV cache.
+
+    Raises ``ValueError`` on construction if a field is out of range.
+    """
+
+    block_size: int
+    """Tokens per KV-cache block (worker handshake)."""
+
+    num_blocks: int
+    """Blocks in the worker's KV cache (worker handshake)."""
+
+    max_model_len: int
+    """Context length: a request stops (CONTEXT_LENGTH) once prompt + output
+    reaches it. The cache must hold one such sequence, so pass
+    ``min(context_length, num_blocks * block_size)`` on a small cache."""
+
+    max_num_seqs: int = 64
+    """Seats: the most requests running (holding blocks) at once."""
+
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: prefill chunks plus decode tokens. Must be at
+    least ``max_num_seqs`` so that every seat can decode in one step."""
+
+    policy: SchedulingPolicy = "continuous"
+    """``continuous``: waiting requests board at every step while seats,
+    budget and blocks last. ``static``: when nobody rides, the head of
+    the queue forms a batch of up to ``max_num_seqs`` requests; members whose
+    prompts miss the first step's token budget board in later steps, and
+    nobody else boards until the whole batch has left, so a finished
+    request's seat stays empty meanwhile.
+    ``sequential``: one request at a time."""
+
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of common prompt prefixes between requests and keep
+    finished requests' full blocks cached until their space is needed
+    (``--no-prefix-cache`` turns it off). See ``block_manager.py``."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_model_len",
+                     "max_num_seqs", "max_num_batched_tokens"):
+            _require_positive_int(name, getattr(self, name))
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_num_seqs ({self.max_num_seqs}) so every seat can decode")
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks "
+                f"of {self.block_size}), fewer than max_model_len "
+                f"({self.max_model_len}); lower max_model_len")
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

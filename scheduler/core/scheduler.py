@@ -1,0 +1,414 @@
+"""The scheduler: who rides the next step. Policy only, no torch.
+
+Every step: running requests first (decodes, then partial prefills), then
+waiting requests board in order (priority desc, arrival, seq_id) while seats,
+token budget and blocks last; boarding stops at the first that does not fit.
+A running request that needs a block when none is free preempts the
+lowest-priority, latest-arrived running request (possibly itself): its blocks
+are freed and it is recomputed later.
+
+    request state       in          blocks   worker knows it
+    WAITING             _waiting    none     no (if preempted: freed in a plan)
+    RUNNING             _running    table    yes once scheduled
+    FINISHED            nowhere     none     no (freed in a plan)
+
+``num_computed_tokens`` advances when a chunk is scheduled, not when its
+result arrives, so the next step could be planned before that.
+
+Prefix cache: a boarding request (new, or resumed after preemption) attaches
+the longest cached prefix of its tokens in whole blocks and starts computing
+past it; its first chunk re-sends the whole table (cached blocks first).
+Blocks filled by this step's chunks are registered at the end of
+``schedule``, after every preemption of the step, so only chunks that really
+run register, and a block is attached at the earliest by the next step. The
+worker runs steps in order, so the K/V a hit reads were written by then (this
+holds also if step N+1 is planned while step N runs).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from jitney.scheduler.core.block_manager import BlockManager, cdiv
+from jitney.scheduler.core.config import SchedulerConfig
+from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: positions [start, start + n)."""
+
+    request: Request
+    start_position: int        # num_computed_tokens before this step
+    num_new_tokens: int
+    token_ids: list[int]       # all_token_ids[start:start + n]
+    new_block_ids: list[int]   # appended to the block table this step
+    sample: bool               # the chunk reaches num_tokens: sample one
+    # Its last token is still being sampled by the step before (not in
+    # token_ids): the worker fills it in.
+    last_token_from_sample: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step, before it is encoded for the worker."""
+
+    step_id: int                                   # 1, 2, 3, ... per schedule()
+    scheduled: list[ScheduledChunk] = field(default_factory=list)   # batch order
+    new_seqs: list[Request] = field(default_factory=list)     # worker has no state
+    freed_seq_ids: list[int] = field(default_factory=list)    # worker forgets first
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    # The first plan after a failed step: the worker forgets every sequence first.
+    reset: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the worker: no chunk to run, no sequence to free, no reset."""
+        return not self.scheduled and not self.freed_seq_ids and not self.reset
+
+
+def _queue_key(request: Request) -> tuple[int, float, int]:
+    """Boarding order; the largest key among running is preempted first."""
+    return (-request.priority, request.arrival_time, request.seq_id)
+
+
+class Scheduler:
+    """Continuous-batching scheduler owning the logical KV cache."""
+
+    def __init__(self, config: SchedulerConfig,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self._eos_token_ids = eos_token_ids
+        self._waiting: list[Request] = []       # sorted by _queue_key
+        self._held: list[Request] = []          # n > 1 samples waiting for their parent's prompt
+        self._running: list[Request] = []       # batch order (boarding order)
+        self._requests: dict[int, Request] = {}  # waiting or running
+        self._on_worker: set[int] = set()       # seq_ids the worker holds
+        self._pending_freed: list[int] = []     # for the next plan
+        self._step_id = 0
+        self._batch_left = 0    # static/sequential: batch members yet to board
+        self._reset_worker = False   # the next plan resets the worker (after a failed step)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ``ValueError`` if it cannot run."""
+        if request.seq_id in self._requests:
+            raise ValueError(f"seq_id {request.seq_id} is already scheduled")
+        if request.status is not RequestStatus.WAITING or request.block_ids:
+            raise ValueError(f"seq {request.seq_id} is not a fresh waiting request")
+        if not 0 < request.num_tokens <= self.config.max_model_len:
+            raise ValueError(
+                f"seq {request.seq_id}: prompt of {request.num_tokens} tokens, "
+                f"must be 1..{self.config.max_model_len}")
+        self._requests[request.seq_id] = request
+        if request.parent is not None:
+            self._held.append(request)
+        else:
+            bisect.insort(self._waiting, request, key=_queue_key)
+
+    def abort_request(self, seq_id: int, reason: FinishReason) -> Request | None:
+        """Finish a live request now and free its blocks; ``None`` if unknown."""
+        request = self._requests.get(seq_id)
+        if request is not None:
+            self._finish(request, reason)
+        return request
+
+    def finish_request(self, seq_id: int, reason: FinishReason) -> Request | None:
+        """Finish a request for a reason found outside (a stop string)."""
+        return self.abort_request(seq_id, reason)
+
+    def get_request(self, seq_id: int) -> Request | None:
+        """The live (waiting or running) request with this id, if any."""
+        return self._requests.get(seq_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._held)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_work(self) -> bool:
+        """Whether a schedule() call would have anything to send."""
+        return bool(self._waiting or self._running or self._pending_freed or self._held or self._reset_worker)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; advances the scheduled requests' progress."""
+        self._step_id += 1
+        output = SchedulerOutput(step_id=self._step_id, reset=self._reset_worker)
+        self._reset_worker = False
+        if self._held:
+            self._release_held()
+        self._schedule_running(output)
+        if not output.preempted:   # boarding now would only thrash
+            self._admit_waiting(output)
+        output.freed_seq_ids, self._pending_freed = self._pending_freed, []
+        for chunk in output.scheduled:
+            self.block_manager.cache_full_blocks(chunk.request, chunk.start_position)
+        return output
+
+    def _release_held(self) -> None:
+        """n > 1: samples whose parent computed its prompt in an earlier step
+        (or left) join the queue; they board sharing the parent's blocks."""
+        held, self._held = self._held, []
+        for request in held:
+            parent = request.parent
+            assert parent is not None
+            if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
+                bisect.insort(self._waiting, request, key=_queue_key)
+            else:
+                self._held.append(request)
+
+    def _prefix_for(self, request: Request) -> tuple[list[int], bool]:
+        """Blocks a boarding request starts with, and whether they are shared
+        from its running parent (else they are prefix-cache hits)."""
+        parent = request.parent
+        if (parent is not None and parent.status is RequestStatus.RUNNING
+                and parent.num_computed_tokens >= request.num_prompt_tokens
+                and not request.output_token_ids):
+            # Full prompt blocks only, and the last token computed again: the
+            # sample needs logits of its own (and writes its own last block).
+            return parent.block_ids[:(request.num_prompt_tokens - 1) // self.config.block_size], True
+        if request.wants_prompt_logprobs:
+            return [], False
+        return self.block_manager.find_cached_prefix(request), False
+
+    def _budget_left(self, output: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - output.num_batched_tokens
+
+    def _schedule_running(self, output: SchedulerOutput) -> None:
+        # Decodes first, so a long prefill chunk never stalls the riders.
+        order = sorted(self._running, key=lambda r: _num_remaining(r) > 1)
+        for request in order:
+            if request.status is not RequestStatus.RUNNING:
+                continue    # preempted earlier in this step
+            num_new = min(self._num_schedulable(request), self._budget_left(output))
+            if num_new > 0 and self._make_room(request, num_new, output):
+                self._schedule_chunk(request, num_new, output)
+
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens ``request`` can compute now; none once its pending samples end it."""
+        pending = request.num_pending_samples
+        if pending and (request.num_output_tokens + pending >= request.sampling.max_tokens
+                        or request.num_tokens + pending >= self.config.max_model_len):
+            return 0
+        return _num_remaining(request)
+
+    def _make_room(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Preempt until ``request``'s blocks fit; False if it was the victim."""
+        needed = self.block_manager.blocks_needed(request, num_new)
+        while not self.block_manager.can_allocate(needed):
+            victim = max(self._running, key=_queue_key)
+            self._preempt(victim, output)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, output: SchedulerOutput) -> None:
+        seats = self._boarding_seats()
+        while self._waiting and seats > 0 and self._budget_left(output) > 0:
+            request = self._waiting[0]
+            if request.num_pending_samples:
+                break   # preempted with a sample in flight: board once it is in
+            cached, shared = self._prefix_for(request)
+            num_cached = len(cached) * self.config.block_size
+            num_new = min(request.num_tokens - num_cached, self._budget_left(output))
+            if not self.block_manager.can_board(cached, num_cached + num_new):
+                break   # FCFS: nobody skips ahead
+            self._waiting.pop(0)
+            self._board(request, cached, shared)
+            self._schedule_chunk(request, num_new, output)
+            seats -= 1
+            self._batch_left = max(0, self._batch_left - 1)
+
+    def _board(self, request: Request, cached: list[int], shared: bool = False) -> None:
+        """Seat a waiting request; it starts past its cached (or shared) prefix."""
+        if shared:
+            self.block_manager.share_blocks(request, cached)
+        else:
+            self.block_manager.attach_cached(request, cached)
+        request.num_computed_tokens = len(cached) * self.config.block_size
+        if request.num_preemptions == 0:    # usage reports the first boarding
+            request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+
+    def _boarding_seats(self) -> int:
+        """Seats open to waiting requests under the policy.
+
+        static and sequential: when nothing rides, the next batch is formed
+        from the head of the queue (all seats, or one); its members board as
+        the token budget lets their prompts in, and nobody else boards until
+        the whole batch has left.
+        """
+        if self.config.policy == "continuous":
+            return self.config.max_num_seqs - len(self._running)
+        if not self._running and not self._batch_left:
+            size = self.config.max_num_seqs if self.config.policy == "static" else 1
+            self._batch_left = min(size, len(self._waiting))
+        return min(self._batch_left, self.config.max_num_seqs - len(self._running))
+
+    def _schedule_chunk(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        # A sequence new to the worker gets its whole table, cached blocks too.
+        table_len = len(request.block_ids) if request.seq_id in self._on_worker else 0
+        self.block_manager.allocate_for(request, num_new)
+        if request.seq_id not in self._on_worker:
+            self._on_worker.add(request.seq_id)
+            output.new_seqs.append(request)
+        request.num_computed_tokens += num_new
+        # [start, num_tokens) known ids; [num_tokens, +pending) still sampling
+        placeholder = start + num_new > request.num_tokens
+        sample = request.num_computed_tokens == request.num_tokens + request.num_pending_samples
+        output.scheduled.append(ScheduledChunk(
+            request=request, start_position=start, num_new_tokens=num_new,
+            token_ids=_token_slice(request, start, num_new - placeholder),
+            new_block_ids=request.block_ids[table_len:],
+            sample=sample, last_token_from_sample=placeholder))
+        request.num_pending_samples += sample
+        output.num_batched_tokens += num_new
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        self._unschedule(victim, output)
+        self._requeue(victim)
+        output.preempted.append(victim)
+
+    def _requeue(self, victim: Request) -> None:
+        """A running request back to waiting, its blocks freed: it will
+        recompute its prompt and output so far."""
+        self._running.remove(victim)
+        self._release(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        bisect.insort(self._waiting, victim, key=_queue_key)
+
+    def recover_from_failed_step(self, lost: Sequence[SchedulerOutput]) -> int:
+        """The worker failed step ``lost[0]`` and discards the steps planned
+        after it (``lost[1:]``) until a reset plan: none of them ran, so their
+        samples never come, and every running request is preempted (it
+        recomputes from its tokens so far; its output is kept). The next
+        plan resets the worker, which forgets every sequence, so it frees
+        none. The caller ends the failed step's own requests first. Returns
+        the number of requests preempted."""
+        for output in lost:
+            for chunk in output.scheduled:
+                chunk.request.num_pending_samples -= chunk.sample
+        preempted = len(self._running)
+        for request in list(self._running):
+            self._requeue(request)
+        self._on_worker.clear()
+        self._pending_freed.clear()
+        self._batch_left = 0
+        self._reset_worker = True
+        return preempted
+
+    def _unschedule(self, request: Request, output: SchedulerOutput) -> None:
+        """Take back ``request``'s chunk of this step, if it has one."""
+        chunk = next((c for c in output.scheduled if c.request is request), None)
+        if chunk is not None:
+            output.scheduled.remove(chunk)
+            output.num_batched_tokens -= chunk.num_new_tokens
+            request.num_pending_samples -= chunk.sample
+        if request in output.new_seqs:     # the worker never heard of it
+            output.new_seqs.remove(request)
+            self._on_worker.discard(request.seq_id)
+
+    def update_from_output(self, output: SchedulerOutput, seq_ids: Sequence[int],
+                           token_ids: Sequence[int],
+                           logprobs: Sequence[float]) -> list[Request]:
+        """Apply a step's sampled tokens; finish the requests that are done.
+
+        ``seq_ids`` must list the sampling chunks of ``output`` in order.
+        Returns the requests that got a token (finished or not), in order;
+        requests finished meanwhile (aborted, stop string) are skipped.
+        """
+        sampled = [c.request for c in output.scheduled if c.sample]
+        if ([r.seq_id for r in sampled] != list(seq_ids)
+                or len(token_ids) != len(sampled) or len(logprobs) != len(sampled)):
+            raise ValueError(f"step {output.step_id}: result does not match the plan")
+        updated: list[Request] = []
+        for request, token_id, logprob in zip(sampled, token_ids, logprobs):
+            request.num_pending_samples -= 1
+            if request.is_finished:
+                continue    # finished a step late: this extra token is dropped
+            request.output_token_ids.append(token_id)
+            request.output_logprobs.append(logprob)
+            reason = self._finish_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            updated.append(request)
+        return updated
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        """Why ``request`` stops after sampling ``token_id`` (kept in its output)."""
+        sampling = request.sampling
+        if token_id in sampling.stop_token_ids or (
+                not sampling.ignore_eos and token_id in self._eos_token_ids):
+            return FinishReason.END_OF_SEQUENCE
+        if request.num_output_tokens >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.CONTEXT_LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        elif request in self._held:
+            self._held.remove(request)
+        else:
+            self._waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.seq_id]
+
+    def _release(self, request: Request) -> None:
+        """Free the blocks now; tell the worker in the next plan."""
+        self.block_manager.free(request)
+        if request.seq_id in self._on_worker:
+            self._on_worker.discard(request.seq_id)
+            self._pending_freed.append(request.seq_id)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the scheduler's state is inconsistent."""
+        self.block_manager.check_invariants()
+        waiting_ids = {r.seq_id for r in self._waiting + self._held}
+        running_ids = {r.seq_id for r in self._running}
+        _check(not waiting_ids & running_ids, "a request is waiting and running")
+        _check(waiting_ids | running_ids == set(self._requests), "lost a request")
+        _check(len(self._running) <= self.config.max_num_seqs, "seats exceeded")
+        _check(self._waiting == sorted(self._waiting, key=_queue_key), "waiting out of order")
+        _check(all(r.status is RequestStatus.WAITING and not r.block_ids
+                   for r in self._waiting + self._held), "a waiting request holds blocks")
+        _check(all(r.parent is not None for r in self._held), "a held request has no parent")
+        _check(all(r.status is RequestStatus.RUNNING and len(r.block_ids) == cdiv(
+            r.num_computed_tokens, self.config.block_size) for r in self._running),
+            "a running request's table does not match its progress")
+        refs = Counter(b for r in self._running for b in r.block_ids)
+        _check(all(self.block_manager.ref_count(b) == n for b, n in refs.items())
+               and len(refs) == self.block_manager.num_used_blocks,
+               "ref counts do not match the block tables")
+
+
+def _num_remaining(request: Request) -> int:
+    return request.num_tokens + request.num_pending_samples - request.num_computed_tokens
+
+
+def _token_slice(request: Request, start: int, n: int) -> list[int]:
+    """``all_token_ids[start:start + n]`` without copying the whole history."""
+    p = request.num_prompt_tokens
+    return (request.prompt_token_ids[start:start + n]
+            + request.output_token_ids[max(0, start - p):max(0, start + n - p)])
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,1 @@
+"""`jitney serve`: the supervisor of the scheduler and its workers."""

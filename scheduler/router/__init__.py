@@ -1,0 +1,1 @@
+"""The cache-aware router (`jitney router`): replicas, routing policy, its gRPC service."""

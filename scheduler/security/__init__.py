@@ -1,0 +1,1 @@
+"""TLS for the client-facing doors and the API-key table."""

@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts (bench/) and `jitney bench`."""

@@ -1,0 +1,1 @@
+"""Tests of the code both processes share (jitney.common)."""

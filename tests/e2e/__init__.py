@@ -1,0 +1,1 @@
+"""End-to-end tests: real `jitney` processes and sockets."""

@@ -1,0 +1,1 @@
+"""Fakes, harnesses and tiny models shared by the tests (and by bench/)."""

@@ -1,0 +1,118 @@
+"""The CPU's one-call layer stack (csrc/layer_stack.cpp, CausalLM.layer_stack)
+against the same model run one op at a time from Python: the same kernels in
+the same order, so every sampled token and every logit must be the same bits,
+through chunked prefill beside decodes, a preemption with recompute and a
+masked step (tests/support/runner_driver.py's scenario), for every kind of
+CPU linear and for a model with q/k/v biases and a tied head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.runner_driver import BLOCK, NUM_BLOCKS, scenario
+from tests.support.tiny_models import make_tiny_llama, make_tiny_qwen2
+from jitney.worker.config import WorkerConfig
+from jitney.worker.runner.model_runner import ModelRunner
+from jitney.worker.layers.program import check_program
+from jitney.worker.models import registry
+from jitney.worker.models.config import ModelConfig
+from jitney.worker.models.llama import DecoderLayer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("stack")
+    return {"llama": str(make_tiny_llama(root / "llama")), "qwen2": str(make_tiny_qwen2(root / "qwen2")),
+            # an intermediate size of 128: bf16's gate_up and SiLU in one pass (linear_silu_mul)
+            "llama-mlp128": str(make_tiny_llama(root / "llama-mlp128", intermediate_size=128, seed=2))}
+
+
+def _runner(model: str, dtype: str, quantization: str, *, stack: bool) -> ModelRunner:
+    runner = ModelRunner(WorkerConfig(model=model, dtype=dtype, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                      max_num_batched_tokens=64, max_num_seqs=8, use_weights_cache=False,
+                                      quantization=quantization))  # type: ignore[arg-type]
+    runner.model.use_layer_stack = stack
+    return runner
+
+
+_TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                    head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+KINDS = (("bfloat16", "none"), ("float32", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))
+
+
+@pytest.mark.parametrize(("model", "dtype", "quantization"), [
+    *((model, dtype, quantization) for model in ("llama", "qwen2") for dtype, quantization in KINDS),
+    ("llama-mlp128", "bfloat16", "none"),
+])
+def test_the_stack_gives_the_layers_bits(models: dict[str, str], model: str, dtype: str, quantization: str) -> None:
+    with_stack = _runner(models[model], dtype, quantization, stack=True)
+    assert with_stack.model.layer_stack(with_stack.cache) is not None    # the stack is what runs
+    without = _runner(models[model], dtype, quantization, stack=False)
+    got: dict[str, Any] = scenario(with_stack)
+    want: dict[str, Any] = scenario(without)
+    assert got["tokens"] == want["tokens"]
+    assert got["refused"] and want["refused"]
+    assert len(got["logits"]) == len(want["logits"]) > 20
+    assert torch.equal(torch.tensor(got["logits"]), torch.tensor(want["logits"]))
+
+
+def test_the_stack_applies_only_to_the_cpu_kernels_path(models: dict[str, str]) -> None:
+    """Without the batch-invariant kernels (oneDNN linears, torch attention) the
+    layers run one op at a time; a stack is made once per cache."""
+    plain = ModelRunner(WorkerConfig(model=models["llama"], dtype="bfloat16", block_size=BLOCK,
+                                     num_blocks=NUM_BLOCKS, max_num_batched_tokens=64, max_num_seqs=8,
+                                     use_weights_cache=False, batch_invariant=False))
+    assert plain.model.layer_stack(plain.cache) is None
+    runner = _runner(models["llama"], "bfloat16", "none", stack=True)
+    stack = runner.model.layer_stack(runner.cache)
+    assert stack is not None and stack.num_layers() == len(runner.model.model.layers)
+    assert runner.model.layer_stack(runner.cache) is stack
+
+
+def test_an_incomplete_stack_is_refused() -> None:
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+    cpu_kernels.load()
+    program = [int(op) for op, _ in DecoderLayer.PROGRAM], [index for _, index in DecoderLayer.PROGRAM]
+    stack = torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, *program)
+    with pytest.raises(RuntimeError, match="no layer"):
+        stack.forward(torch.zeros(1, 64), *[torch.zeros(1)] * 6)
+    w = torch.ones(64)
+    stack.add_layer(torch.zeros(1), torch.zeros(1))
+    stack.add_norm(w, 1e-5)
+    with pytest.raises(RuntimeError, match="need their scale"):
+        stack.add_linear(1, torch.zeros(1, dtype=torch.int8), None, None, None, 64, 64, False)
+    with pytest.raises(RuntimeError, match="previous layer is incomplete"):
+        stack.add_layer(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="layer 0 has 1 norms and 0 linears; its program names 2 and 4"):
+        stack.check()
+    with pytest.raises(RuntimeError, match="unknown linear kind"):
+        stack.add_linear(7, torch.zeros(1), None, None, None, 64, 64, False)
+
+
+@pytest.mark.parametrize(("ops", "indices", "message"), [
+    ([1, 0], [0, 0], "starts with INPUT_NORM"),
+    ([0, 9], [0, 0], "unknown layer op 9"),
+    ([0, 1], [0, -1], "a negative index"),
+    ([0], [0, 1], "at least one"),
+])
+def test_a_malformed_program_is_refused(ops: list[int], indices: list[int], message: str) -> None:
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+    cpu_kernels.load()
+    with pytest.raises(RuntimeError, match=message):
+        torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, ops, indices)
+
+
+def test_every_family_writes_a_well_formed_program() -> None:
+    """Each registered family's layer program names only norms and linears its layer has
+    (the C++ stack checks the counts again when it is built)."""
+    for family in registry.FAMILIES:
+        layer = family.DecoderLayer
+        with torch.device("meta"):
+            built = layer(_TINY)
+        check_program(layer.PROGRAM, len(built.norms()), len(built.linears()))

@@ -1,0 +1,1 @@
+"""Attention metadata and the attention backends."""

@@ -1,0 +1,1 @@
+"""Kernels: the CPU's batch-invariant C++ extension and the Triton kernels."""

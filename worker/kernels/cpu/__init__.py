@@ -1,0 +1,1 @@
+"""The CPU's batch-invariant kernels (C++ in csrc/, built at install or first use)."""

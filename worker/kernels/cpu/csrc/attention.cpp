@@ -1,0 +1,327 @@
+// Paged attention for Jitney's CPU kernels: every query token walks its own
+// sequence's cache blocks from position 0 up to its own position, with an
+// online softmax in float32: per block, scores in order, one rescale, values
+// added in key order (attention_block.h). A decode and a prefill query at the
+// same position do the same arithmetic, so chunking, preemption (recompute)
+// and prefix-cache hits give the same bits: a row's arithmetic depends only
+// on its own inputs (its token, its sequence's cache blocks, its position),
+// never on how many rows share the call, where the row sits in it or how the
+// rows are split among threads.
+//
+// 16-token blocks with head_dim a multiple of 64 run the same operations in
+// AVX-512 registers (portable=True: the scalar loops; tests compare the
+// bits), and the next blocks of a sequence are prefetched while one computes:
+// blocks lie anywhere in the cache, out of the hardware's sight (the block
+// three on is asked for a few lines at a time among the work: SpreadPrefetch).
+// The cache has this kernel's own layout (kv_layout.h): each kv head of a
+// block one contiguous run, K with its keys in 32-bit lanes, so it is read
+// untransposed.
+//
+// Compiled with -ffp-contract=off: every multiply-add is written out (fmaf
+// where it is wanted), so two inlined copies of the same code cannot round
+// differently.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // the prefetches, and the AVX-512 paths (#if __AVX512F__)
+#endif
+
+#include "attention_block.h"
+#include "convert.h"
+#include "kv_layout.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using jitney_cpu::from_float;  // convert.h
+using jitney_cpu::to_float;
+using jitney_cpu::check_cache_layout;  // kv_layout.h
+using jitney_cpu::kPack;
+using namespace jitney_cpu::attention;  // attention_block.h
+
+struct AttentionShape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+// How far ahead a sequence's blocks are prefetched: the next one into L1, the
+// two after it into L2 (a layer's blocks lie scattered in the cache, where
+// the hardware's prefetcher cannot guess them).
+constexpr int64_t kBlocksAhead = 3;
+
+// The blocks of its sequence that tokens [t0, t1) at positions pos0.. see: those up to the last token's.
+inline int64_t blocks_seen(int64_t t0, int64_t t1, int64_t pos0, int64_t bs) { return (pos0 + (t1 - t0) - 1) / bs + 1; }
+
+// The item a thread runs after this one (its first blocks are prefetched while
+// this one's last blocks compute): its sequence's table, how many blocks it
+// reads, its first kv head. blocks = 0: none.
+struct NextItem {
+  const int64_t* table = nullptr;
+  int64_t blocks = 0, h0 = 0, heads = 0;
+};
+
+// Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
+// Token t sits at position pos0 + (t - t0) and attends keys [0, position];
+// its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
+// ... + g - 1. Which heads share an item changes only the speed.
+template <typename scalar_t, int64_t BS, int64_t D>
+void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                 scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0, int64_t h1,
+                 const AttentionShape& s, const NextItem& after) {
+  const int64_t d = D > 0 ? D : s.head_dim, g = s.num_heads / s.num_kv_heads;
+  const int64_t bs = BS > 0 ? BS : s.block_size;
+  const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
+  const int64_t nq = (h1 - h0) * per_head;
+  const int64_t last_pos = pos0 + (t1 - t0) - 1;
+  const int64_t blocks = blocks_seen(t0, t1, pos0, bs);
+  constexpr int64_t P = kPack<scalar_t>;
+  // Per-thread scratch, reused across items: the query rows, their running sums, a block as
+  // float32. kt and vf need no clearing: a lane past a block's n keys is masked, never used.
+  thread_local std::vector<float> qf, acc, m, l, kt, vf;
+  qf.resize(nq * d);
+  acc.assign(nq * d, 0.0f);
+  m.assign(nq, -std::numeric_limits<float>::infinity());
+  l.assign(nq, 0.0f);
+  kt.resize(d * bs);
+  vf.resize(bs * d);
+  // Query head r of kv head h at token t: its row here, and its offset in query and out.
+  auto row_of = [&](int64_t h, int64_t t, int64_t r) { return ((h - h0) * (t1 - t0) + t - t0) * g + r; };
+  auto offset_of = [&](int64_t h, int64_t t, int64_t r) { return (t * s.num_heads + h * g + r) * d; };
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < g; ++r) {
+        const scalar_t* src = q + offset_of(h, t, r);
+        float* dst = qf.data() + row_of(h, t, r) * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * s.scale;
+      }
+    }
+  }
+  const int64_t run = bs * d;  // values of one (block, kv head), in K and in V
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    // The tokens that see this block: those that see only part of it one by one, then
+    // those that see all of it (the rest of the tile) in one call.
+    const int64_t first = std::max(t0, t0 + blk * bs - pos0);
+    const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
+    for (int64_t h = h0; h < h1; ++h) {
+      constexpr bool kRegisters = BS == 16 && D > 0 && D % 64 == 0;  // the AVX-512 form below
+      [[maybe_unused]] SpreadPrefetch spread;
+#if defined(__x86_64__)
+      // The next blocks lie elsewhere in the cache: ask for this head's part of them now
+      // (kBlocksAhead; block blk + 3 enters the window here, the first block asks for all
+      // three). A head at a time spreads the requests over the block's work, rather
+      // than all of an item's heads in one burst.
+      // Past this item's last block, the thread's next item's first blocks (same head offset).
+      for (int64_t ahead = blk == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
+        int64_t next;
+        if (blk + ahead < blocks) {
+          next = (table[blk + ahead] * s.num_kv_heads + h) * run;
+        } else if (blk + ahead - blocks < after.blocks && h - h0 < after.heads) {
+          next = (after.table[blk + ahead - blocks] * s.num_kv_heads + after.h0 + (h - h0)) * run;
+        } else {
+          break;
+        }
+        const char* kp = reinterpret_cast<const char*>(k_cache + next);
+        const char* vp = reinterpret_cast<const char*>(v_cache + next);
+#if defined(__AVX512F__)
+        if (kRegisters && ahead == kBlocksAhead) {
+          spread = SpreadPrefetch{kp, vp, run * static_cast<int64_t>(sizeof(scalar_t)) / 64};
+          break;
+        }
+#endif
+        for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
+          if (ahead == 1) {
+            _mm_prefetch(kp + off, _MM_HINT_T0);
+            _mm_prefetch(vp + off, _MM_HINT_T0);
+          } else {
+            _mm_prefetch(kp + off, _MM_HINT_T1);
+            _mm_prefetch(vp + off, _MM_HINT_T1);
+          }
+        }
+      }
+#endif
+      const int64_t base = (table[blk] * s.num_kv_heads + h) * run;
+      const scalar_t* kb = k_cache + base;
+      const scalar_t* vb = v_cache + base;
+      const int64_t head_row = (h - h0) * per_head;
+      auto update = [&](auto rows_update) {
+        for (int64_t t = first; t < whole; ++t) {
+          const int64_t row = head_row + (t - t0) * g;
+          rows_update(g, row, pos0 + (t - t0) + 1 - blk * bs);
+        }
+        if (whole < t1) rows_update((t1 - whole) * g, head_row + (whole - t0) * g, bs);
+      };
+#if defined(__AVX512F__)
+      if constexpr (kRegisters) {
+        auto rows16 = [&](const auto& block) {
+          update([&](int64_t rows, int64_t row, int64_t n) {
+            block_update_rows16<D>(rows, qf.data() + row * d, block, acc.data() + row * d, m.data() + row,
+                                   l.data() + row, n, spread);
+            spread = SpreadPrefetch{};  // asked for once
+          });
+        };
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          rows16(FloatBlock<D>{kb, vb});  // the cache's own float32 layout
+        } else if (t1 - t0 == 1) {
+          rows16(Bf16Block<D>{kb, vb});  // a decode: g rows read the block where it lies
+        } else {
+          const Bf16Block<D> raw{kb, vb};  // many rows: widen it once
+          for (int64_t i = 0; i < D; ++i) _mm512_storeu_ps(kt.data() + i * 16, raw.k(i));
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(vf.data() + j * D + c, raw.v(j, c));
+          rows16(FloatBlock<D>{kt.data(), vf.data()});
+        }
+        continue;
+      }
+#endif
+      const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
+      for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
+        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kb[((i / P) * bs + j) * P + i % P]);
+        for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vb[j * d + i]);
+      }
+      update([&](int64_t rows, int64_t row, int64_t n) {
+        block_update_rows<BS, D>(rows, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
+                                 m.data() + row, l.data() + row, n, bs, d);
+      });
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < g; ++r) {
+        const int64_t row = row_of(h, t, r);
+        const float inv = 1.0f / l[row];
+        scalar_t* dst = out + offset_of(h, t, r);
+        const float* a = acc.data() + row * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = from_float<scalar_t>(a[c] * inv);
+      }
+    }
+  }
+}
+
+constexpr int64_t kQueryTile = 16;  // query tokens sharing one pass over the cache
+constexpr int64_t kGroupHeadsPerThread = 4;  // decodes per thread from which a decode's heads are one item
+
+// A work item: the kv heads [h0, h1) of a tile of up to kQueryTile query tokens of one sequence.
+struct Item { int64_t seq, t0, t1, pos0, h0, h1; };
+
+template <typename scalar_t>
+void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
+                  scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, bool portable) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  // Items are handed out one at a time as threads come free (long and short ones
+  // balance), each thread claiming its next item when it starts one, so that it can
+  // prefetch that item's first blocks. Which thread runs an item does not change its
+  // arithmetic.
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    int64_t w = claimed.fetch_add(1);
+    while (w < count) {
+      const int64_t following = claimed.fetch_add(1);
+      const Item& it = items[w];
+      const int64_t* table = tables + it.seq * s.table_width;
+      NextItem after;
+      if (following < count) {
+        const Item& nx = items[following];
+        after = {tables + nx.seq * s.table_width, blocks_seen(nx.t0, nx.t1, nx.pos0, s.block_size), nx.h0,
+                 nx.h1 - nx.h0};
+      }
+      if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
+        attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+      } else if (s.block_size == 16 && s.head_dim == 64) {
+        attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+      } else if (s.block_size == 16 && s.head_dim == 128) {
+        attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s,
+                                       after);
+      } else {
+        attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+      }
+      w = following;
+    }
+  }
+}
+
+}  // namespace
+
+namespace jitney_cpu {
+
+// query (T, nh, d), caches in kv_layout.h's layout -> (T, nh, d).
+// Sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1]), the
+// last of which sits at position seq_lens[i] - 1.
+at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, double scale, bool portable) {
+  TORCH_CHECK(query.dim() == 3, "query must be (T, heads, head_dim), got ", query.sizes());
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
+              "query and caches differ in dtype");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat,
+              "attention runs in bfloat16 or float32");
+  check_cache_layout(k_cache, v_cache, "paged_attention");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "block tables, lengths and starts must be int64");
+  AttentionShape s{query.size(1), v_cache.size(1), query.size(2), v_cache.size(2), block_tables.size(1),
+                   static_cast<float>(scale)};
+  TORCH_CHECK(v_cache.size(3) == s.head_dim, "head_dim differs between query and caches");
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(s.block_size <= kMaxBlock && s.head_dim <= kMaxHeadDim, "block size above ", kMaxBlock,
+              " or head_dim above ", kMaxHeadDim, " is not supported by the CPU kernel");
+  at::Tensor q = query.contiguous();
+  at::Tensor tables = block_tables.contiguous();
+  at::Tensor lens = seq_lens.contiguous();
+  at::Tensor starts = query_start_loc.contiguous();
+  at::Tensor out = at::empty_like(q);
+  const int64_t num_seqs = lens.size(0);
+  TORCH_CHECK(starts.size(0) == num_seqs + 1 && tables.size(0) >= num_seqs, "metadata sizes disagree");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t num_blocks = v_cache.size(0);
+  // A decode's kv heads are one item where the step has enough decodes to keep the threads
+  // busy: its blocks' heads then stream as one run. Otherwise one item per kv head.
+  int64_t decodes = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) decodes += (sp[i + 1] - sp[i] == 1);
+  const bool group_heads = decodes >= kGroupHeadsPerThread * at::get_num_threads();
+  std::vector<Item> items;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t t_begin = sp[i], t_end = sp[i + 1];
+    TORCH_CHECK(t_end - t_begin <= lp[i], "sequence ", i, " has more queries than context");
+    const int64_t used = (lp[i] + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(used <= s.table_width, "sequence ", i, " outgrows its block table");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(tp[i * s.table_width + b] >= 0 && tp[i * s.table_width + b] < num_blocks, "sequence ", i,
+                  "'s block ", tp[i * s.table_width + b], " is not in the cache of ", num_blocks, " blocks");
+    const int64_t first_pos = lp[i] - (t_end - t_begin);
+    for (int64_t t = t_begin; t < t_end; t += kQueryTile) {
+      const int64_t t1 = std::min(t + kQueryTile, t_end);
+      if (group_heads && t1 - t == 1 && t_end - t_begin == 1) {
+        items.push_back({i, t, t1, first_pos + (t - t_begin), 0, s.num_kv_heads});
+      } else {
+        for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({i, t, t1, first_pos + (t - t_begin), h, h + 1});
+      }
+    }
+  }
+  // Longest items first: the threads finish together.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.pos0 + (a.t1 - a.t0) > b.pos0 + (b.t1 - b.t0);
+  });
+  if (q.scalar_type() == at::kBFloat16) {
+    attend_items(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                 tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s, portable);
+  } else {
+    attend_items(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s, portable);
+  }
+  return out;
+}
+
+}  // namespace jitney_cpu

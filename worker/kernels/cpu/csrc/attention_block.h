@@ -1,0 +1,292 @@
+// One cache block's step of paged attention's online softmax (attention.cpp):
+// the scalar form, for any block size and head_dim, and the AVX-512 form of
+// 16-token blocks with head_dim a multiple of 64, which runs the same
+// operations in the same order on each lane (tested bit for bit against the
+// scalar form), and the prefetch of a later block spread over one's work.
+
+#pragma once
+
+#include "exp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace jitney_cpu {
+namespace attention {
+
+constexpr int64_t kMaxBlock = 64;    // largest cache block size (runtime-sized path)
+constexpr int64_t kMaxHeadDim = 256;  // largest head_dim (runtime-sized path)
+
+// Folds v[0, width) into v[0] pairwise: v[j] = op(v[j], v[j + half]), halving
+// the width (an odd width folds its last lane into v[0] first). BS > 0 (a
+// power of two) unrolls it at compile time; the tree is the same either way.
+template <int64_t BS, typename Op>
+inline void tree_reduce(float* v, int64_t width, Op op) {
+  if constexpr (BS > 0) {
+    static_assert((BS & (BS - 1)) == 0, "compiled block sizes are powers of two");
+#pragma GCC unroll 8
+    for (int64_t half = BS / 2; half > 0; half /= 2) {
+      for (int64_t j = 0; j < half; ++j) v[j] = op(v[j], v[j + half]);
+    }
+  } else {
+    while (width > 1) {
+      const int64_t half = width / 2;
+      if (width % 2) v[0] = op(v[0], v[width - 1]);
+      for (int64_t j = 0; j < half; ++j) v[j] = op(v[j], v[j + half]);
+      width = half;
+    }
+  }
+}
+
+// One cache block for R query rows that see the same n keys of it (the heads
+// of one token that share this kv head). Per row, in this order:
+//   score[j] = sum over i of q[i] * k[j][i], as four partial sums (i mod 4)
+//              added (0 + 1) + (2 + 3);
+//   m' = max(m, score[0..n)), w[j] = e^(score[j] - m') (0 past n),
+//   l = l e^(m - m') + tree sum of w over the block's lanes,
+//   acc = acc e^(m - m') + sum over j < n, in order, of w[j] v[j].
+// Rows never mix: grouping them only lets the CPU overlap their chains, so a
+// row's bits are the same alone or grouped. BS, D: compile-time block size
+// and head_dim, or 0 for runtime values (up to kMaxBlock, kMaxHeadDim).
+template <int64_t R, int64_t BS, int64_t D>
+inline void block_update(const float* __restrict__ q, const float* __restrict__ kt, const float* __restrict__ vf,
+                         float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t n,
+                         int64_t bs_runtime, int64_t d_runtime) {
+  constexpr int64_t kB = BS > 0 ? BS : kMaxBlock;
+  const int64_t bs = BS > 0 ? BS : bs_runtime;
+  const int64_t d = D > 0 ? D : d_runtime;
+  float part[R][4][kB];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < 4; ++k)
+      for (int64_t j = 0; j < bs; ++j) part[r][k][j] = 0.0f;
+  int64_t i = 0;
+  for (; i + 4 <= d; i += 4) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < 4; ++k) {
+      const float* krow = kt + (i + k) * bs;
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < R; ++r) {
+        const float qv = q[r * d + i + k];
+        for (int64_t j = 0; j < bs; ++j) part[r][k][j] = fmaf(qv, krow[j], part[r][k][j]);
+      }
+    }
+  }
+  for (; i < d; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float qv = q[r * d + i];
+      for (int64_t j = 0; j < bs; ++j) part[r][0][j] = fmaf(qv, kt[i * bs + j], part[r][0][j]);
+    }
+  }
+  float w[R][kB];
+  float correction[R];
+  for (int64_t r = 0; r < R; ++r) {
+    float sc[kB];
+    for (int64_t j = 0; j < bs; ++j) sc[j] = (part[r][0][j] + part[r][1][j]) + (part[r][2][j] + part[r][3][j]);
+    float peak[kB];  // the block's maximum (any order gives the same maximum)
+    for (int64_t j = 0; j < bs; ++j) peak[j] = j < n ? sc[j] : -std::numeric_limits<float>::infinity();
+    tree_reduce<BS>(peak, bs, [](float a, float b) { return std::max(a, b); });
+    const float m_new = std::max(m[r], peak[0]);
+    correction[r] = exp_nonpositive(m[r] - m_new);
+    for (int64_t j = 0; j < bs; ++j) w[r][j] = j < n ? exp_nonpositive(sc[j] - m_new) : 0.0f;
+    float tree[kB];
+    for (int64_t j = 0; j < bs; ++j) tree[j] = w[r][j];
+    tree_reduce<BS>(tree, bs, [](float a, float b) { return a + b; });  // the same tree for every row
+    l[r] = fmaf(l[r], correction[r], tree[0]);
+    m[r] = m_new;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* a = acc + r * d;
+    for (int64_t c = 0; c < d; ++c) a[c] *= correction[r];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = vf + j * d;
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      const float wj = w[r][j];
+      float* a = acc + r * d;
+      for (int64_t c = 0; c < d; ++c) a[c] = fmaf(wj, vj[c], a[c]);
+    }
+  }
+}
+
+// A later block's K and V runs (`lines` cache lines each) that block_update16
+// asks for into L2 a few lines at a time among its own work, rather than all
+// at once before it.
+struct SpreadPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0;
+  // Part `part` of `parts` of K's lines, or of V's.
+  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const { ask(k, part, parts); }
+  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const { ask(v, part, parts); }
+
+ private:
+  __attribute__((always_inline)) void ask(const char* run, int64_t part, int64_t parts) const {
+    if (!run) return;
+#if defined(__x86_64__)
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+      _mm_prefetch(run + line * 64, _MM_HINT_T1);
+#else
+    (void)part;
+    (void)parts;
+#endif
+  }
+};
+
+#if defined(__AVX512F__)
+// tree_reduce<16> on one register: lane j takes op(lane j, lane j + half), half = 8, 4, 2, 1.
+template <typename Op>
+__attribute__((always_inline)) inline float tree_reduce16(__m512 v, Op op) {
+  v = op(v, _mm512_shuffle_f32x4(v, v, 0xEE));  // lanes 8..15 onto 0..7
+  v = op(v, _mm512_shuffle_f32x4(v, v, 0x01));  // 4..7 onto 0..3
+  v = op(v, _mm512_permute_ps(v, 0x0E));        // 2, 3 onto 0, 1
+  v = op(v, _mm512_permute_ps(v, 0x01));        // 1 onto 0
+  return _mm512_cvtss_f32(v);
+}
+
+// Where block_update16 reads a 16-token block of one kv head: k(i) is dim i
+// of the 16 keys (lanes: keys), v(j, c) columns [c, c + 16) of value j, both
+// float32. FloatBlock: float32 arrays kt (D, 16) and vf (16, D), which is
+// how a float32 cache holds a block (no copy) and what a bfloat16 block is
+// widened into when many query rows share it. Bf16Block: a bfloat16 block
+// read where it lies, widened as it is read (exact), for a decode's few rows.
+template <int64_t D>
+struct FloatBlock {
+  const float* kt;
+  const float* vf;
+  __m512 k(int64_t i) const { return _mm512_loadu_ps(kt + i * 16); }
+  __m512 v(int64_t j, int64_t c) const { return _mm512_loadu_ps(vf + j * D + c); }
+};
+
+template <int64_t D>
+struct Bf16Block {
+  const at::BFloat16* kp;  // (D / 2, 16, 2): 32-bit lane j of row p = key j's dims 2p (low), 2p + 1 (high)
+  const at::BFloat16* vp;  // (16, D)
+  __m512 k(int64_t i) const {
+    const __m512i pair = _mm512_loadu_si512(kp + (i / 2) * 32);
+    return _mm512_castsi512_ps(i % 2 == 0 ? _mm512_slli_epi32(pair, 16)
+                                          : _mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+  __m512 v(int64_t j, int64_t c) const {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + j * D + c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+};
+
+// block_update<R, 16, D> in registers: the same operations, in the same
+// order, on each lane (tested bit for bit against the scalar form).
+template <int64_t R, int64_t D, typename Block>
+inline void block_update16(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
+                           float* __restrict__ m, float* __restrict__ l, int64_t n,
+                           const SpreadPrefetch& ahead = SpreadPrefetch{}) {
+  static_assert(D % 64 == 0 && R >= 1 && R <= 6, "16-lane form");
+  __m512 part[R][4];
+  #pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int k = 0; k < 4; ++k) part[r][k] = _mm512_setzero_ps();
+  #pragma GCC unroll 16
+  for (int64_t i = 0; i < D; i += 4) {
+    ahead.k_part(i / 4, D / 4);
+    #pragma GCC unroll 16
+    for (int k = 0; k < 4; ++k) {
+      __m512 krow = blk.k(i + k);
+      asm("" : "+v"(krow));  // one load for the R rows: keeps the compiler from folding it into each FMA
+      #pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r) part[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + i + k]), krow, part[r][k]);
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);  // n in [1, 16]
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float w[R][16];
+  float correction[R];
+  #pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 sc = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
+    // std::max(a, b) is (a < b ? b : a), which is MAXPS(b, a), NaN and signed zeros included.
+    const float peak = tree_reduce16(_mm512_mask_blend_ps(valid, ninf, sc),
+                                     [](__m512 a, __m512 b) { return _mm512_max_ps(b, a); });
+    const float m_new = std::max(m[r], peak);
+    correction[r] = exp_nonpositive(m[r] - m_new);
+    const __m512 wr = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+    _mm512_store_ps(w[r], wr);
+    l[r] = fmaf(l[r], correction[r], tree_reduce16(wr, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+    m[r] = m_new;
+  }
+  #pragma GCC unroll 16
+  for (int64_t c = 0; c < D; c += 64) {  // 64 columns at a time, each column's order unchanged
+    constexpr int64_t kVec = 4;
+    __m512 a[R][kVec];
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v)
+        a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c + 16 * v), _mm512_set1_ps(correction[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      ahead.v_part(c / 64 * 16 + j, D / 4);
+      __m512 vj[kVec];
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v) vj[v] = blk.v(j, c + 16 * v);
+      #pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 wj = _mm512_set1_ps(w[r][j]);
+        #pragma GCC unroll 16
+        for (int64_t v = 0; v < kVec; ++v) a[r][v] = _mm512_fmadd_ps(wj, vj[v], a[r][v]);
+      }
+    }
+    for (int64_t j = n; j < 16; ++j) ahead.v_part(c / 64 * 16 + j, D / 4);
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v) _mm512_storeu_ps(acc + r * D + c + 16 * v, a[r][v]);
+  }
+}
+#endif
+
+// ``rows`` consecutive query rows that all see n keys of the block. The
+// AVX-512 form takes up to 6 rows a call (two tokens of three heads, say):
+// independent rows overlap each other's dependency chains (the softmax's
+// reductions and exp); the scalar form takes 4. Rows never mix either way.
+#if defined(__AVX512F__)
+template <int64_t D, typename Block>
+void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t n,
+                         const SpreadPrefetch& ahead) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+    const float* qr = q + r0 * D;
+    float* ar = acc + r0 * D;
+    const SpreadPrefetch& pf = r0 == 0 ? ahead : SpreadPrefetch{};
+    switch (std::min<int64_t>(6, rows - r0)) {
+      case 6: block_update16<6, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 5: block_update16<5, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 4: block_update16<4, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+    }
+  }
+}
+#endif
+
+template <int64_t BS, int64_t D>
+void block_update_rows(int64_t rows, const float* q, const float* kt, const float* vf, float* acc, float* m, float* l,
+                       int64_t n, int64_t bs, int64_t d) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t r = std::min<int64_t>(4, rows - r0);
+    const float* qr = q + r0 * d;
+    float* ar = acc + r0 * d;
+    switch (r) {
+      case 4: block_update<4, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      case 3: block_update<3, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      case 2: block_update<2, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      default: block_update<1, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+    }
+  }
+}
+
+}  // namespace attention
+}  // namespace jitney_cpu

@@ -1,0 +1,347 @@
+// The linear layer of Jitney's CPU kernels, y = x W^T (+ b), whose every
+// output row is computed with one fixed reduction order, whatever else is
+// batched: a row's arithmetic depends only on its own inputs, never on how
+// many rows share the call, where the row sits in it, how the rows are split
+// among threads, or on padding. Threads split output columns (and, where a
+// layer's units do not split evenly, a unit's rows), never K.
+//
+//   bf16      weights packed once in amx.h's tile layout, read by one of three
+//             kernels, picked per process by the CPU: AMX-BF16 (tdpbf16ps,
+//             here; every output the sum of its K chunks of 32 in order),
+//             else AVX-512 BF16 (vdpbf16ps, linear_bf16_avx512.cpp; every
+//             output the sum of its K pairs in order), else the portable
+//             loops (here; every output its products added in K order). Each
+//             kernel's bits depend on a row's own inputs only; the kernels'
+//             bits differ from one another.
+//   float32   oneDNN's brgemm micro-kernel over the whole of K per block of
+//             rows and columns, whose order over K does not depend on the row
+//             block's height (tested). bf16 does not go through brgemm: on an
+//             AMD EPYC with AVX-512 BF16 oneDNN ordered K one way for 1 row,
+//             another for 2-3, a third for 4 and more.
+//   linear_silu_mul   silu_mul(linear(x)) for a gate_up layer, the same bits;
+//             one pass on the AVX-512 BF16 kernel (gate and up sums meet in
+//             registers), else those two calls.
+//
+// Compiled with -ffp-contract=off: every multiply-add is written out (fmaf
+// where it is wanted), so two inlined copies of the same code cannot round
+// differently.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/native/CPUBlas.h>
+
+#include "amx.h"
+#include "convert.h"
+#include "linear_bf16.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using jitney_cpu::from_float;  // convert.h
+using jitney_cpu::to_float;
+using jitney_cpu::padded;  // amx.h
+using jitney_cpu::bf16::kAmxChunk;  // linear_bf16.h
+using jitney_cpu::bf16::kColBlock;
+
+// ---------------------------------------------------------------------------
+// float32: oneDNN's brgemm
+// ---------------------------------------------------------------------------
+
+constexpr int64_t kRowBlock = 32;  // MB: rows per micro-kernel call (NB: kColBlock columns)
+
+// float32 weight (N, K) -> (ceil(N / NB), K * NB): each column block is W^T's
+// (K, NB) slice, zero-padded past N.
+at::Tensor pack_brgemm_weight(const at::Tensor& weight) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+  at::Tensor wt = at::zeros({k, blocks * kColBlock}, weight.options());
+  wt.narrow(1, 0, n).copy_(weight.t());
+  return wt.view({k, blocks, kColBlock}).permute({1, 0, 2}).contiguous().view({blocks, k * kColBlock});
+}
+
+void linear_brgemm(const float* x, const float* packed, const float* bias, float* y, int64_t m, int64_t n,
+                   int64_t k) {
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(kRowBlock * kColBlock);
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* w = packed + b * k * kColBlock;
+      const int64_t col0 = b * kColBlock;
+      const int64_t cols = std::min(kColBlock, n - col0);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, m - r0);
+        at::native::cpublas::brgemm(rows, kColBlock, k, k, kColBlock, kColBlock, false, x + r0 * k, w,
+                                    acc.data(), false);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* a = acc.data() + i * kColBlock;
+          float* dst = y + (r0 + i) * n + col0;
+          for (int64_t j = 0; j < cols; ++j) dst[j] = bias ? a[j] + bias[col0 + j] : a[j];
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// bf16 on AMX-BF16
+// ---------------------------------------------------------------------------
+
+// The bf16 AMX linear (tdpbf16ps), Jitney's own: a decode step of few rows
+// streams the weights once, prefetched ahead of the tile loads (oneDNN's
+// brgemm micro-kernel, fed block by block, left most of the memory's rate
+// unused at few rows). Each output is the float32 sum of its K chunks of 32,
+// in order, from zero, one tdpbf16ps per chunk, whatever the number of rows,
+// the width of a work unit or the threads (tested). The weights: amx.h's
+// pack_weight_tiles, shared with the int8 kernel (linear_bf16.h's note).
+constexpr int64_t kAmxRows = 16;   // activation rows per A tile
+
+bool use_amx_bf16() {
+#if defined(JITNEY_AMX_BF16)
+  return jitney_cpu::amx_ready();
+#else
+  return false;
+#endif
+}
+
+#if defined(JITNEY_AMX_BF16)
+using jitney_cpu::bf16::store_row;  // linear_bf16.h
+
+// Tiles 0-3: the sums (16 x 16 float32) of up to four 16-column tiles;
+// 4: 16 activation rows (16 x 32 bf16); 5-6: weights, alternating. A work
+// unit is TILES tiles of one column block: 4 (64 columns) for many rows, 2
+// (32 columns) for a few, where halving the units splits small layers
+// evenly between threads. A pass over a unit takes 16 rows. The weights
+// stream with amx.h's UnitPrefetch: the unit's next chunks into L1 during
+// its first pass, and, where there are several passes (more than 16 rows),
+// the thread's next unit into L2 a slice per chunk over all of this unit's
+// passes, so the memory streams while later passes compute from cache.
+// Only the speed depends on TILES or on how the units are split.
+template <int TILES, typename out_t>
+void linear_amx_units(const at::BFloat16* x, int64_t m, int64_t k, int64_t kp, const at::BFloat16* packed,
+                      const float* bias, out_t* y, int64_t n) {
+  constexpr int64_t kUnitCols = TILES * 16;
+  const int64_t chunks = kp / kAmxChunk, units = padded(n, kColBlock) / kColBlock * (kColBlock / kUnitCols);
+  const int64_t passes = (m + kAmxRows - 1) / kAmxRows;
+  // The A tiles read x in place (rows of k, a multiple of 32); a last block of
+  // fewer than 16 rows, or every block when k needs padding, reads a zero-padded copy.
+  const int64_t copied_from = k == kp ? m / kAmxRows * kAmxRows : 0;
+  thread_local std::vector<at::BFloat16> copy;
+  copy.assign((padded(m, kAmxRows) - copied_from) * kp, at::BFloat16(0.0f));
+  for (int64_t r = copied_from; r < m; ++r)
+    std::memcpy(copy.data() + (r - copied_from) * kp, x + r * k, k * sizeof(at::BFloat16));
+  const at::BFloat16* copied = copy.data();
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    const jitney_cpu::TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    alignas(64) float acc[kAmxRows * kColBlock];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t col0 = u * kUnitCols;
+      if (col0 >= n) continue;  // a padding unit
+      const int64_t cols = std::min(kUnitCols, n - col0);
+      const char* wb = jitney_cpu::unit_weights<TILES>(packed, u, chunks);
+      jitney_cpu::UnitPrefetch<TILES> prefetch(
+          u + 1 < u1 ? jitney_cpu::unit_weights<TILES>(packed, u + 1, chunks) : nullptr, chunks, passes);
+      for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
+        const bool in_place = r0 < copied_from;
+        const at::BFloat16* a = in_place ? x + r0 * k : copied + (r0 - copied_from) * kp;
+        const int64_t stride = (in_place ? k : kp) * static_cast<int64_t>(sizeof(at::BFloat16));
+        jitney_cpu::zero_sums<TILES>();
+        for (int64_t c = 0; c < chunks; ++c) {
+          const char* wt = wb + c * jitney_cpu::kChunkBytes;
+          prefetch.before(wt, r0 / kAmxRows);
+          _tile_loadd(4, a + c * kAmxChunk, stride);
+          _tile_loadd(5, wt, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, wt + jitney_cpu::kTileBytes, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          if constexpr (TILES == 4) {
+            _tile_loadd(5, wt + 2 * jitney_cpu::kTileBytes, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, wt + 3 * jitney_cpu::kTileBytes, 64);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
+        jitney_cpu::store_sums<TILES>(acc, kColBlock * sizeof(float));
+        const int64_t rows = std::min(kAmxRows, m - r0);
+        for (int64_t i = 0; i < rows; ++i) {
+          store_row(acc + i * kColBlock, bias ? bias + col0 : nullptr, y + (r0 + i) * n + col0, cols);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+template <typename out_t>
+void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias, out_t* y,
+                int64_t n) {
+  const int64_t kp = padded(k, kAmxChunk);
+  if (m <= kAmxRows) {
+    linear_amx_units<2>(x, m, k, kp, packed, bias, y, n);
+  } else {
+    linear_amx_units<4>(x, m, k, kp, packed, bias, y, n);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------
+// bf16 in plain loops, and the choice of kernel
+// ---------------------------------------------------------------------------
+
+// The bf16 linear in plain loops over the tile layout, for any CPU: each
+// output's products (float32, exact) added in K order from zero; columns in
+// lanes, so the compiler vectorises across them, never along K.
+template <typename out_t>
+void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed,
+                           const float* bias, out_t* y, int64_t n) {
+  const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk, blocks = padded(n, kColBlock) / kColBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    float acc[kColBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t col0 = b * kColBlock, cols = std::min(kColBlock, n - col0);
+      const uint16_t* wb = reinterpret_cast<const uint16_t*>(packed) + b * chunks * (jitney_cpu::kChunkBytes / 2);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < kColBlock; ++j) acc[j] = 0.0f;
+        for (int64_t p = 0; p < (k + 1) / 2; ++p) {  // K pair p: values 2p and (if < k) 2p + 1, in order
+          const float x0 = to_float(x[r * k + 2 * p]);
+          const bool second = 2 * p + 1 < k;
+          const float x1 = second ? to_float(x[r * k + 2 * p + 1]) : 0.0f;
+          // tile t's row p: 16 columns' pairs, 32 values
+          const uint16_t* wp = wb + (p >> 4) * (jitney_cpu::kChunkBytes / 2) + (p & 15) * 32;
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint16_t* row = wp + t * (jitney_cpu::kTileBytes / 2);
+            float* a = acc + 16 * t;
+            for (int64_t j = 0; j < 16; ++j) a[j] += x0 * to_float(at::BFloat16(row[2 * j], at::BFloat16::from_bits()));
+            if (second)
+              for (int64_t j = 0; j < 16; ++j)
+                a[j] += x1 * to_float(at::BFloat16(row[2 * j + 1], at::BFloat16::from_bits()));
+          }
+        }
+        out_t* dst = y + r * n + col0;
+        for (int64_t j = 0; j < cols; ++j) dst[j] = from_float<out_t>(bias ? acc[j] + bias[col0 + j] : acc[j]);
+      }
+    }
+  });
+}
+
+// The kernel bf16 linears run on here: "amx", "avx512_bf16" or "portable"
+// (unless portable is asked for, the fastest the CPU has).
+enum class Bf16Kernel { kAmx, kDp, kPortable };
+
+Bf16Kernel bf16_kernel(bool portable) {
+  if (portable) return Bf16Kernel::kPortable;
+  if (use_amx_bf16()) return Bf16Kernel::kAmx;
+#if defined(JITNEY_AVX512_BF16)
+  return Bf16Kernel::kDp;
+#else
+  return Bf16Kernel::kPortable;
+#endif
+}
+
+template <typename out_t>
+void linear_bf16(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias, out_t* y,
+                 int64_t n, bool portable) {
+  switch (bf16_kernel(portable)) {
+#if defined(JITNEY_AMX_BF16)
+    case Bf16Kernel::kAmx: linear_amx(x, m, k, packed, bias, y, n); return;
+#endif
+#if defined(JITNEY_AVX512_BF16)
+    case Bf16Kernel::kDp: jitney_cpu::bf16::linear_dp(x, m, k, packed, bias, y, n); return;
+#endif
+    default: linear_tiles_portable(x, m, k, packed, bias, y, n); return;
+  }
+}
+
+void check_linear_args(const at::Tensor& x, const at::Tensor& packed, int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D (rows, in_features)");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the packed weight differ in dtype");
+  const int64_t k = x.size(1), n = out_features;
+  TORCH_CHECK(k == in_features, "x has ", k, " features, the layer takes in_features ", in_features);
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+  const int64_t kp = x.scalar_type() == at::kBFloat16 ? padded(k, kAmxChunk) : k;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == blocks && packed.size(1) == kp * kColBlock,
+              "packed weight does not match in_features ", k, " and out_features ", n);
+}
+
+}  // namespace
+
+namespace jitney_cpu {
+
+std::string linear_kernel_op() {
+  switch (bf16_kernel(false)) {
+    case Bf16Kernel::kAmx: return "amx";
+    case Bf16Kernel::kDp: return "avx512_bf16";
+    default: return "portable";
+  }
+}
+
+// weight (N, K) -> the packed form linear reads: bf16 in amx.h's tile
+// layout (every bf16 kernel reads it), float32 in brgemm's column blocks.
+at::Tensor pack_linear_weight_op(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D (out_features, in_features)");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "weight must be bfloat16 or float32");
+  const at::Tensor w = weight.contiguous();
+  return w.scalar_type() == at::kBFloat16 ? pack_weight_tiles(w) : pack_brgemm_weight(w);
+}
+
+// x (M, K) -> (M, out_features); float32 output when out_float, else x's dtype.
+// ``portable``: bf16 through the plain loops, whatever the CPU has.
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                     int64_t in_features, int64_t out_features, bool out_float, bool portable) {
+  check_linear_args(x, packed, in_features, out_features);
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor xc = x.contiguous();
+  const at::Tensor b = float_bias(bias, n);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({m, n}, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+  if (m == 0) return y;
+  if (bf16) {
+    const auto* xp = xc.data_ptr<at::BFloat16>();
+    const auto* wp = packed.data_ptr<at::BFloat16>();
+    if (out_float) {
+      linear_bf16(xp, m, k, wp, bp, y.data_ptr<float>(), n, portable);
+    } else {
+      linear_bf16(xp, m, k, wp, bp, y.data_ptr<at::BFloat16>(), n, portable);
+    }
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
+    linear_brgemm(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k);
+  }
+  return y;
+}
+
+// silu_mul(linear(x)) for a gate_up layer (out_features = 2 * intermediate),
+// the same bits: in one pass on the AVX-512 BF16 kernel where the
+// intermediate size is a multiple of 64, else as those two calls.
+at::Tensor linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t in_features, int64_t out_features, bool portable) {
+  TORCH_CHECK(out_features % 2 == 0, "linear_silu_mul: out_features must be 2 * intermediate, got ", out_features);
+  check_linear_args(x, packed, in_features, out_features);
+  const int64_t half = out_features / 2;
+#if defined(JITNEY_AVX512_BF16)
+  if (x.scalar_type() == at::kBFloat16 && bf16_kernel(portable) == Bf16Kernel::kDp && half % 64 == 0) {
+    const int64_t m = x.size(0), k = x.size(1);
+    at::Tensor xc = x.contiguous();
+    const at::Tensor b = float_bias(bias, out_features);
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    at::Tensor y = at::empty({m, half}, x.options());
+    if (m == 0) return y;
+    bf16::linear_dp_silu_mul(xc.data_ptr<at::BFloat16>(), m, k, packed.data_ptr<at::BFloat16>(), bp,
+                             y.data_ptr<at::BFloat16>(), half);
+    return y;
+  }
+#endif
+  return silu_mul_op(linear_op(x, packed, bias, in_features, out_features, false, portable));
+}
+
+}  // namespace jitney_cpu

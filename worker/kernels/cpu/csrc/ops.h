@@ -1,0 +1,56 @@
+// Every op of the jitney_cpu library (torch.ops.jitney_cpu.*): the functions
+// library.cpp registers, declared here so that one .cpp of this folder can
+// call another's without the dispatcher (layer_stack.cpp's layer stack,
+// linear_bf16.cpp's linear_silu_mul). Grouped by the file that defines them.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+namespace jitney_cpu {
+
+// linear_bf16.cpp (and linear_bf16_avx512.cpp): bf16 and float32 linears
+at::Tensor pack_linear_weight_op(const at::Tensor& weight);
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                     int64_t in_features, int64_t out_features, bool out_float, bool portable);
+std::string linear_kernel_op();
+at::Tensor linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t in_features, int64_t out_features, bool portable);
+
+// attention.cpp
+at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, double scale, bool portable);
+
+// elementwise.cpp: the decoder layer's elementwise work
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_op(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor rope_and_cache_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim);
+at::Tensor silu_mul_op(const at::Tensor& gate_up);
+
+// softmax_stats.cpp: the sampler's per-row statistics
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats_op(const at::Tensor& x, bool portable);
+
+// linear_int8.cpp
+at::Tensor pack_int8_weight_op(const at::Tensor& q);
+std::string int8_path_op();
+at::Tensor linear_int8_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
+                          bool out_float, bool portable);
+
+// linear_int4.cpp
+std::tuple<at::Tensor, at::Tensor> pack_int4_weight_op(const at::Tensor& q, const at::Tensor& c);
+at::Tensor unpack_int4_weight_op(const at::Tensor& q4, const at::Tensor& cv, int64_t in_features,
+                                 int64_t out_features);
+std::string int4_path_op();
+at::Tensor linear_int4_op(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& cv, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
+                          bool out_float, bool portable);
+
+}  // namespace jitney_cpu

@@ -1,0 +1,351 @@
+"""The CPU's batch-invariant kernels (``csrc/``, one file per kind of op), built at first use.
+
+The operations, registered as ``torch.ops.jitney_cpu``:
+
+- ``InvariantLinear``: ``y = x W^T + b`` with W packed once at load; every
+  output is one fixed reduction over the whole of K, so its bits do not
+  depend on how many rows share the call. bf16 runs on the fastest of
+  Jitney's own kernels the CPU has (``linear_kernel()``): AMX-BF16 tiles, which
+  stream the weights with prefetches (a decode step's linears ran 1.4-1.8x
+  faster than through oneDNN's brgemm, see docs/journal/2026-11-26-cpu-floor.md), else AVX-512
+  BF16 (vdpbf16ps, one K pair at a time), else the portable loops. float32:
+  one oneDNN brgemm micro-kernel call per block. (oneDNN's own matmul picks
+  blockings, and splits K between threads, by the number of rows: the same
+  token gave different bf16 rows at 1 and at 33 rows; its bf16 brgemm
+  micro-kernel, on an AMD EPYC without AMX, ordered K one way for 1 row,
+  another for 2-3 and a third for 4 or more.)
+- ``paged_attention``: every query token walks its own sequence's cache
+  blocks from position 0 with a float32 online softmax, reading K/V where
+  they lie (no gather, no padding). Decodes and prefill chunks run the same
+  arithmetic, so chunking, preemption and prefix-cache hits keep the bits.
+- ``silu_mul``: torch's float32 SiLU rounds a vector's tail differently
+  from its body, so a row's bits could depend on where it falls; this runs
+  the same operations on every element.
+- ``linear_silu_mul``: ``silu_mul(linear(x))`` of a gate_up layer, the same
+  bits, in one pass on the AVX-512 BF16 kernel (the layer stack calls it).
+- ``linear_int8`` (``csrc/linear_int8.cpp``, ``--quantization int8``): int8
+  weights with per-channel scales; the activations enter as two int8 limbs
+  per row and every sum is an exact integer (AMX-INT8 where the CPU has it),
+  so the result is batch-invariant and the same on any CPU.
+- ``linear_int4`` (same file, ``--quantization int4``): 4-bit weights with an
+  integer scale per 32 inputs, exactly the int8 layer of the weights ``c * q``
+  (AVX-512 VNNI from the nibbles for up to 4 rows, else int8 tiles unpacked in
+  cache for the AMX kernel).
+
+The source is compiled once per machine with torch's C++ extension tooling
+(a C++ compiler and ninja are needed; the ``ninja`` package is a
+dependency) into ``$JITNEY_KERNEL_CACHE`` (default
+``~/.cache/jitney/kernels``), in a folder keyed by the source, torch's
+version and the CPU, and loaded from there afterwards (the build takes
+41-47 s on a 2-core Zen 5; `make` runs it at install). A failed build raises ``KernelBuildError`` with the compiler's
+output; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from jitney.worker.kernels.cpu.packed import replace_linears
+
+logger = logging.getLogger("jitney.worker")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Every .cpp of csrc/ (one kind of op each) is one extension; library.cpp holds the
+# ``jitney_cpu`` library's one TORCH_LIBRARY (every op's schema), layer_stack.cpp adds
+# its class with a TORCH_LIBRARY_FRAGMENT. No sub-folders: pyproject ships csrc/*.cpp, *.h.
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))      # included by the sources: part of the build's key
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded = False
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernels could not be compiled or loaded."""
+
+
+def _cpu_tag() -> str:
+    """What the compiled code depends on besides its source: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+
+
+def cache_dir() -> Path:
+    """The build folder for these sources, torch version, flag set and CPU."""
+    key = hashlib.sha256()
+    parts = [src.name.encode() + src.read_bytes() for src in (*SOURCES, *HEADERS)]
+    for part in (*parts, torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()):
+        key.update(part)
+    root = Path(os.environ.get("JITNEY_KERNEL_CACHE", Path.home() / ".cache" / "jitney" / "kernels"))
+    return root / key.hexdigest()[:16]
+
+
+def load() -> None:
+    """Build (first time on this machine) and load the kernels; idempotent."""
+    global _loaded
+    if _loaded:   # every call of a kernel passes here: no lock once loaded
+        return
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name="jitney_cpu", sources=[str(src) for src in SOURCES], extra_cflags=FLAGS,
+                               extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                               is_python_module=False, verbose=False)
+        except (RuntimeError, OSError, ImportError) as err:
+            raise KernelBuildError(f"building the CPU kernels in {folder} failed: {err}") from err
+        _loaded = True
+        logger.info("CPU kernels loaded from %s", folder)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, portable: bool = False) -> torch.Tensor:
+    """Causal attention of ``query (T, nh, d)`` over the paged caches -> ``(T, nh, d)``.
+
+    Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
+    the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
+    ``portable``: only the scalar loops (the AVX-512 form of 16-token blocks must
+    give the same bits; the tests compare them).
+    """
+    load()
+    out: torch.Tensor = torch.ops.jitney_cpu.paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up (T, 2I)`` -> ``(T, I)``, the same operations for every element."""
+    load()
+    out: torch.Tensor = torch.ops.jitney_cpu.silu_mul(gate_up)
+    return out
+
+
+class InvariantLinear(nn.Module):
+    """``y = x W^T + b`` through ``jitney_cpu.linear``; x is (T, in_features).
+
+    ``out_float``: return float32 (the logits) instead of x's dtype.
+    ``portable``: bf16 through the plain loops, whatever the CPU has (for
+    tests and benchmarks; every kernel is batch-invariant, their bits differ).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False,
+                 portable: bool = False) -> None:
+        super().__init__()
+        load()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.portable = portable
+        self.packed = torch.ops.jitney_cpu.pack_linear_weight(weight.detach().contiguous())
+        self.bias = bias
+        self.out_float = out_float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.jitney_cpu.linear(x, self.packed, self.bias, self.in_features, self.out_features,
+                                                      self.out_float, self.portable)
+        return y
+
+
+LayerParts = tuple[list[tuple[torch.Tensor, float]], torch.Tensor, torch.Tensor, list[nn.Module]]
+"""One decoder layer for ``layer_stack``: ([(norm weight, eps), ...], K cache, V cache,
+[linear, ...]), the norms and linears its program's indices name."""
+
+
+def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                program: Sequence[tuple[int, int]], layers: list[LayerParts]) -> torch.ScriptObject | None:
+    """``csrc/layer_stack.cpp``'s ``LayerStack``: every layer of a step in one call,
+    each running ``program`` (``layers/program.py``: (op, index) steps) with the
+    kernels ``InvariantCpuLayerOps`` calls, in the program's order (so the same bits).
+    Only without tensor parallelism: its REDUCE steps are the identity. None where
+    a linear is not one of this module's (``InvariantLinear``, ``Int8Linear``,
+    ``Int4Linear``) or returns float32."""
+    load()
+    stack = torch.classes.jitney_cpu.LayerStack(num_heads, num_kv_heads, head_dim, scale,
+                                                [int(op) for op, _ in program], [index for _, index in program])
+    for norms, k_cache, v_cache, linears in layers:
+        stack.add_layer(k_cache, v_cache)
+        for weight, eps in norms:
+            stack.add_norm(weight, eps)
+        for lin in linears:
+            if not isinstance(lin, (InvariantLinear, Int8Linear, Int4Linear)) or lin.out_float:
+                return None
+            # (layer_stack.cpp's Kind, weights, int4's group scales, int8/int4's per-channel scales)
+            if isinstance(lin, Int4Linear):
+                kind, weights, cv, channels = 2, lin.q4, lin.cv, lin.scale
+            elif isinstance(lin, Int8Linear):
+                kind, weights, cv, channels = 1, lin.packed, None, lin.scale
+            else:
+                kind, weights, cv, channels = 0, lin.packed, None, None
+            stack.add_linear(kind, weights, cv, channels, lin.bias, lin.in_features, lin.out_features, lin.portable)
+    stack.check()
+    return stack
+
+
+def linear_kernel() -> str:
+    """The kernel bf16 ``InvariantLinear``s run on here: ``amx`` (AMX-BF16), ``avx512_bf16``
+    (AVX-512 BF16, no AMX) or ``portable`` (the plain loops: a CPU with neither)."""
+    load()
+    return str(torch.ops.jitney_cpu.linear_kernel())
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of ``weight (N, K)``: ``(q (N, K) int8, scale (N,) float32)``
+    with ``weight[n] ~ q[n] * scale[n]``, ``|q| <= 127``; an all-zero row gets scale 1 (and q 0)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+class Int8Linear(nn.Module):
+    """``y = x (q * scale)^T + b`` through ``jitney_cpu.linear_int8`` (``csrc/linear_int8.cpp``, ``csrc/linear_int4.cpp``):
+    weight-only int8 with per-output-channel scales computed here from
+    ``weight``; x (T, in_features) is bfloat16 or float32, carried into the
+    integer sums as a 16-bit fixed-point copy per row. The sums are exact
+    integers, so a row's result never depends on its batch; AMX-INT8 runs
+    them where the CPU has it (``portable`` forces the plain loops, which
+    give the same bits).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False) -> None:
+        super().__init__()
+        load()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        q, self.scale = quantize_int8(weight)
+        self.packed = torch.ops.jitney_cpu.pack_int8_weight(q)
+        self.bias = bias
+        self.out_float = out_float
+        self.portable = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.jitney_cpu.linear_int8(x, self.packed, self.scale, self.bias, self.in_features,
+                                                           self.out_features, self.out_float, self.portable)
+        return y
+
+
+INT4_GROUP = 32  # K values sharing one integer scale c
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-level int4 of ``weight (N, K)``: ``(q (N, K) int8 in [-8, 7], c (N, G) uint8 in [1, 16],
+    scale (N,) float32)``, G = ceil(K / 32), with ``weight[n, k] ~ scale[n] * c[n, k // 32] * q[n, k]``.
+
+    ``c * q`` fits int8, so the int8 kernel's exact integer sums carry over
+    (``csrc/linear_int8.cpp``, ``csrc/linear_int4.cpp``). Per column, ``scale = max|w| / (f * 16)`` for f
+    in 7, 7.5 and 8 (the largest group's step at ``c = 16``); per group of
+    32, the ``c`` whose rounded, clamped ``q`` has the smallest squared error
+    among the four integers around ``16 max|w_group| / max|w_column|`` (all
+    16 candidates gave 0.7% less error, at four times the load time); per
+    column, the f whose groups' error sums smallest.
+    (Against the bundled model's weights: 8.5-9.0% relative RMS error per
+    layer kind, against 9.5-9.9% for c from the group's max alone and
+    9.9-10.4% for plain round-to-nearest with a float scale per group.) An all-zero row gets scale 1 (q 0, c 1).
+    """
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = -(-k // INT4_GROUP)
+    wg = torch.nn.functional.pad(w, (0, groups * INT4_GROUP - k)).view(n, groups, INT4_GROUP)
+    amax_g = wg.abs().amax(dim=2)
+    amax = amax_g.amax(dim=1)
+    nonzero = torch.where(amax > 0, amax, torch.ones_like(amax))
+    # The error is smallest near c = 16 max|w_group| / max|w_column| (whatever f): the 4 integers around it.
+    ideal = (16.0 * amax_g / nonzero[:, None]).floor_()
+    candidates = [(ideal + d).clamp_(1, 16) for d in (-1, 0, 1, 2)]
+    best_c, best_scale, best_err = torch.ones(n, groups), torch.ones(n), torch.full((n,), float("inf"))
+    for f in (7.0, 7.5, 8.0):
+        scale = torch.where(amax > 0, amax / (f * 16.0), torch.ones_like(amax))
+        c_f = torch.ones(n, groups)
+        err_f = torch.full((n, groups), float("inf"))
+        for c in candidates:
+            step = scale[:, None, None] * c[:, :, None]
+            err = torch.round(wg / step).clamp_(-8, 7).mul_(step).sub_(wg).square_().sum(dim=2)
+            better = err < err_f
+            c_f = torch.where(better, c, c_f)
+            err_f = torch.where(better, err, err_f)
+        column = err_f.sum(dim=1)
+        take = column < best_err
+        best_c = torch.where(take[:, None], c_f, best_c)
+        best_scale = torch.where(take, scale, best_scale)
+        best_err = torch.where(take, column, best_err)
+    q = torch.round(wg / (best_scale[:, None, None] * best_c[:, :, None])).clamp_(-8, 7)
+    return (q.reshape(n, groups * INT4_GROUP)[:, :k].to(torch.int8).contiguous(),
+            best_c.to(torch.uint8).contiguous(), best_scale.contiguous())
+
+
+class Int4Linear(nn.Module):
+    """``y = x (scale * c * q)^T + b`` through ``jitney_cpu.linear_int4``: the
+    weights of ``quantize_int4``, stored in half a byte each (plus one byte
+    per 32 for c). Each work unit is unpacked into the int8 kernel's tile
+    layout in cache and computed by it, so the results are, bit for bit,
+    ``Int8Linear``'s on the int8 weights ``c * q``: exact integer sums,
+    batch-invariant (``portable`` forces the plain loops, the same bits).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, out_float: bool = False) -> None:
+        super().__init__()
+        load()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        q, c, self.scale = quantize_int4(weight)
+        self.q4, self.cv = torch.ops.jitney_cpu.pack_int4_weight(q, c)
+        self.bias = bias
+        self.out_float = out_float
+        self.portable = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.jitney_cpu.linear_int4(x, self.q4, self.cv, self.scale, self.bias,
+                                                           self.in_features, self.out_features, self.out_float,
+                                                           self.portable)
+        return y
+
+
+def use_int4_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by an ``Int4Linear``; return how many."""
+    return replace_linears(model, lambda linear: Int4Linear(linear.weight, linear.bias))
+
+
+def int8_path() -> str:
+    """Where ``Int8Linear`` runs here: ``amx`` (AMX-INT8), ``vnni`` (AVX-512 VNNI) or
+    ``portable`` (the plain loops, far slower). All three give the same bits."""
+    load()
+    return str(torch.ops.jitney_cpu.int8_path())
+
+
+def int4_path() -> str:
+    """Where ``Int4Linear`` runs here: ``amx`` (AMX-INT8, and AVX-512 VNNI for calls of
+    up to 4 rows), ``vnni`` (AVX-512 VNNI, 4 rows a pass) or ``portable`` (the plain
+    loops only, far slower)."""
+    load()
+    return str(torch.ops.jitney_cpu.int4_path())
+
+
+def use_int8_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by an ``Int8Linear``; return how many."""
+    return replace_linears(model, lambda linear: Int8Linear(linear.weight, linear.bias))
+
+
+def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether these kernels serve a model in ``dtype`` on ``device``."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
+def use_invariant_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by an ``InvariantLinear``; return how many."""
+    return replace_linears(model, lambda linear: InvariantLinear(linear.weight, linear.bias))

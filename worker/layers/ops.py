@@ -1,0 +1,164 @@
+"""The decoder layer's elementwise work, one implementation per path.
+
+The model calls four operations between its matmuls:
+
+    add_rms_norm   residual += x, then x = RMSNorm(residual)      (before attention and MLP)
+    rope_and_cache rotary on q and k, k and v into the paged cache (after the q/k/v matmul)
+    silu_mul       silu(gate) * up                                  (between the MLP's matmuls)
+    rms_norm       the first layer's input norm
+
+``TorchLayerOps`` is plain torch with the reference models' rounding (the
+CPU's ``--no-batch-invariant`` path, and the reference for the others).
+``InvariantCpuLayerOps`` (the CPU default) and ``TritonLayerOps`` (with the
+Triton attention backend) run each as one kernel (``csrc/elementwise.cpp``,
+``triton_fused.py``), so a decode layer is 9 calls: norm, qkv, rope+cache,
+attention, o_proj, norm, gate_up, silu_mul, down.
+Its argument checks run for the first layer of a step only (``checking``);
+the other layers get the same shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jitney.worker.kernels.cpu import ops as cpu_kernels
+from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, cast back before the weight, as the reference models do."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (T, heads, d)`` by position, in the half-split layout of HF."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class TorchLayerOps:
+    """Plain torch: the CPU path (and the reference for the fused kernels)."""
+
+    checking = True
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq  # (d/2,) float32
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Per-step rotary inputs: cos, sin (T, d) in ``dtype``, computed once for all layers."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_torch(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return rms_norm_torch(residual, weight, eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata, backend: AttentionBackend,
+                       heads: tuple[int, int, int]) -> torch.Tensor:
+        """Rotated q ``(T, nh, d)``; rotated k and v written to the cache."""
+        nh, kvh, d = heads
+        t = qkv.shape[0]
+        q, k, v = qkv.split((nh * d, kvh * d, kvh * d), dim=-1)
+        cos, sin = rope
+        q = apply_rotary(q.view(t, nh, d), cos, sin)
+        k = apply_rotary(k.view(t, kvh, d), cos, sin)
+        backend.write_kv(k, v.view(t, kvh, d), kv[0], kv[1], meta)
+        return q
+
+
+class InvariantCpuLayerOps(TorchLayerOps):
+    """The CPU's batch-invariant path: one C++ call per operation.
+
+    ``csrc/elementwise.cpp`` (norms, rotary + cache write) and
+    ``cpu_kernels.silu_mul``, so a decode layer is 9 calls like Triton's:
+    norm, qkv, rope+cache, attention, o_proj, add+norm, gate_up, silu_mul,
+    down. Each row's arithmetic depends on that row only (the norm's mean
+    of squares is a fixed-order sum), with the torch reference's rounding
+    points: the rotary and the residual add give its bits, the norm is within
+    rounding of it (the order of its float32 sum differs from torch's).
+    ``add_rms_norm`` works in place, like Triton's: ``x`` becomes the norm,
+    ``residual`` the sum. torch's float32 SiLU rounds a vector's tail
+    differently from its body, hence the SiLU kernel.
+    ``rope_inputs`` stays torch's (cos, sin once per step for all layers).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__(inv_freq)
+        cpu_kernels.load()
+        ops = torch.ops.jitney_cpu
+        self._rms_norm = ops.rms_norm.default
+        self._add_rms_norm = ops.add_rms_norm.default
+        self._rope_and_cache = ops.rope_and_cache.default
+        self._silu_mul = ops.silu_mul.default
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out: torch.Tensor = self._rms_norm(x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self._add_rms_norm(x, residual, weight, eps)  # both in place
+        return x, residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._silu_mul(gate_up)
+        return out
+
+    def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata, backend: AttentionBackend,
+                       heads: tuple[int, int, int]) -> torch.Tensor:
+        """Rotated q ``(T, nh, d)``; rotated k and v stored at ``meta.slot_mapping``
+        (as ``TorchPagedAttention.write_kv`` stores them; a negative slot stores nothing)."""
+        nh, kvh, d = heads
+        cos, sin = rope
+        q: torch.Tensor = self._rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, nh, kvh, d)
+        return q
+
+
+class TritonLayerOps(TorchLayerOps):
+    """One fused Triton kernel per operation (CUDA, or the interpreter in tests)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+        super().__init__(inv_freq)
+        from jitney.worker.kernels.triton import fused as triton_fused
+
+        self.kernels = triton_fused
+        freqs = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()  # (max_positions, d) float32
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return (positions,)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps, check=self.checking)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kernels.fused_add_rms_norm(x, residual, weight, eps, check=self.checking)  # both in place
+        return x, residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up, check=self.checking)
+
+    def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata, backend: AttentionBackend,
+                       heads: tuple[int, int, int]) -> torch.Tensor:
+        nh, kvh, d = heads
+        (positions,) = rope
+        self.kernels.rope_write_kv(qkv, positions, self.cos_sin, kv[0], kv[1], meta.slot_mapping, nh, kvh, d,
+                                   check=self.checking)
+        return qkv[:, : nh * d].view(qkv.shape[0], nh, d)  # q, rotated in place

@@ -1,0 +1,1 @@
+"""Loading weights: checkpoints, GGUF, the converted-weights cache."""

@@ -1,0 +1,68 @@
+"""What every model family is described by: its shape and numerics (``ModelConfig``),
+its rotary scaling, and the facts the scheduler needs (``ModelFacts``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jitney.worker.layers.rotary import RopeScaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    family: str = "llama"  # the models/ file that runs it (models/registry.py)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the scheduler needs to know about the model (sent in Ready)."""
+
+    name: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one this worker can run."""
+
+
+def rope_from_hf(hf: Any) -> tuple[float, RopeScaling | None]:
+    """The rotary base and scaling of a transformers config."""
+    # transformers 5 keeps everything in rope_parameters; 4.x used
+    # rope_theta plus an optional rope_scaling dict.
+    params = {**(getattr(hf, "rope_scaling", None) or {}), **(getattr(hf, "rope_parameters", None) or {})}
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")

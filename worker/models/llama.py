@@ -1,0 +1,279 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM): its config from Hugging Face's, its decoder layer and model.
+
+Its parts live in ``worker/layers`` (RMSNorm, rotary frequencies, attention over the
+paged cache, the SwiGLU MLP); here: decoder layer, model. The forward pass takes the
+flattened tokens of a whole fused step; logits are computed separately and
+only at the positions that sample. The elementwise work between the matmuls
+(norms with their residual adds, rotary + cache write, SiLU * up) goes
+through ``layer_ops``: C++ kernels on the CPU's batch-invariant path
+(``csrc/elementwise.cpp``), plain torch on ``--no-batch-invariant``'s, fused
+Triton kernels with the Triton attention backend.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
+
+Tensor parallelism (``sharding.py``): a rank's model is built from its
+local config (its heads, its share of the MLP) and a ``reduce`` that sums a
+row-parallel output over the ranks (an all-reduce); it is called after
+o_proj and after down_proj, and is the identity without a group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
+from jitney.worker.attention.kv_cache import PagedKVCache
+from jitney.worker.layers.attention import Attention
+from jitney.worker.layers.mlp import MLP
+from jitney.worker.layers.norm import RMSNorm
+from jitney.worker.layers import program
+from jitney.worker.layers.ops import InvariantCpuLayerOps, TorchLayerOps
+from jitney.worker.layers.program import Op, Program
+from jitney.worker.layers.reduce import Reduce, no_reduce
+from jitney.worker.layers.rotary import rope_inv_freq
+from jitney.worker.models.config import ModelConfig, UnsupportedModelError, rope_from_hf
+
+
+# The Hugging Face architectures this file runs (models/registry.py), and their model types
+# (a config read from a GGUF file may name no architecture).
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def config_from_hf(hf: Any) -> ModelConfig:
+    """Translate a transformers config of this family, refusing what it cannot run."""
+    model_type = hf.model_type
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    theta, scaling = rope_from_hf(hf)
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and no o bias; Llama's attention_bias
+        # puts a bias on all four.
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type == "llama" and attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        family="llama",
+    )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP, as a layer program
+    (``layers/program.py``) run op by op here or by the CPU's C++ stack.
+
+        # layer in:  x = previous MLP output (or the embeddings), residual = stream so far (None at layer 0)
+        # layer out: x = this MLP's output,                    residual = stream before that output
+    """
+
+    # norms: input_layernorm, post_attention_layernorm; linears: qkv, o, gate_up, down
+    PROGRAM: Program = (
+        (Op.INPUT_NORM, 0),
+        (Op.LINEAR, 0), (Op.ROPE_CACHE, 0), (Op.ATTEND, 0), (Op.LINEAR, 1), (Op.REDUCE, 0),
+        (Op.ADD_NORM, 1),
+        (Op.LINEAR, 2), (Op.SILU_MUL, 0), (Op.LINEAR, 3), (Op.REDUCE, 0),
+    )
+
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def norms(self) -> list[RMSNorm]:
+        return [self.input_layernorm, self.post_attention_layernorm]
+
+    def linears(self) -> list[nn.Module]:
+        """The program's linears, as they are now (a kernel's linear once loaded)."""
+        attn, mlp = self.self_attn, self.mlp
+        return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        ops: TorchLayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.self_attn
+        return program.run(self.PROGRAM, self.norms(), self.linears(), x, residual, rope, kv, meta, backend, ops,
+                           attn.heads, attn.scale, self.reduce)
+
+
+class Decoder(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's ``model.``)."""
+
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
+        super().__init__()
+        # Given an empty weight, the embedding skips its random init: on the meta
+        # device, normal_ would import sympy (~1.5 s of a restarted worker's start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole model. Build it on the meta device, then ``load_weights``.
+
+    Under tensor parallelism ``cfg`` is the rank's local config
+    (``sharding.local_config``) and ``reduce`` the group's all-reduce.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
+                 reduce: Reduce = no_reduce) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backend = backend if backend is not None else TorchPagedAttention()
+        self.model = Decoder(cfg, reduce)
+        # The elementwise work between matmuls; ``use_backend`` picks the fused ops for Triton.
+        self.ops = TorchLayerOps(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        # None: tied to the embedding (until a packed copy takes its place).
+        self.lm_head: nn.Module | None = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        # The CPU's invariant path runs its layers as one C++ call (``layer_stack``) unless this
+        # is False (tests compare the two; benchmarks measure them side by side).
+        self.use_layer_stack = True
+        # (the cache it was made over, weakly: a model does not keep a cache alive; the stack)
+        self._stack: tuple[weakref.ref[PagedKVCache], torch.ScriptObject | None] | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden) of the step's flattened tokens (T,).
+
+        Writes the tokens' K/V into ``kv_cache`` at ``meta.slot_mapping``.
+        """
+        meta = self.backend.prepare(meta)  # once per step, for every layer
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.ops.rope_inputs(positions, x.dtype)
+        stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack else None
+        if stack is not None:
+            out, stream = stack.forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc)
+            return cast(torch.Tensor, out + stream)
+        residual: torch.Tensor | None = None
+        # The layers and their parts are called by .forward, not through nn.Module.__call__,
+        # whose hook checks cost ~4 us a call, 7 calls a layer (~0.9 ms of an 11 ms batch-1
+        # CPU decode step). Nothing in Jitney registers hooks on them.
+        for i, layer in enumerate(self.model.layers):
+            self.ops.checking = self.backend.checking = i == 0  # later layers have the same shapes
+            x, residual = layer.forward(x, residual, rope, kv_cache.layer(i), meta, self.backend, self.ops)
+        self.ops.checking = self.backend.checking = True
+        assert residual is not None
+        return x + residual
+
+    def layer_stack(self, kv_cache: PagedKVCache) -> torch.ScriptObject | None:
+        """The C++ stack of this model's layers over ``kv_cache`` (``cpu_kernels.layer_stack``),
+        made on first use: on the CPU's invariant path (``InvariantCpuLayerOps`` and
+        ``InvariantCpuAttention``), without tensor parallelism (its all-reduce is
+        Python's), with the CPU kernels' linears. None elsewhere: the layers run
+        one op at a time. One forward of 30 layers is ~270 op calls from Python
+        otherwise: 1.2-1.5 ms of every step on a 2-core CPU (docs/journal/2026-11-27-layer-stack.md)."""
+        if self._stack is not None and self._stack[0]() is kv_cache:
+            return self._stack[1]
+        stack = None
+        layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
+        if (isinstance(self.ops, InvariantCpuLayerOps) and isinstance(self.backend, InvariantCpuAttention)
+                and all(layer.reduce is no_reduce for layer in layers)):
+            from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+            attn = layers[0].self_attn
+            stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                                            DecoderLayer.PROGRAM, [
+                ([(norm.weight, norm.eps) for norm in layer.norms()], *kv_cache.layer(i), layer.linears())
+                for i, layer in enumerate(layers)])
+        self._stack = (weakref.ref(kv_cache), stack)
+        return stack
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``copy.deepcopy``, pickling) makes its own stack when it first runs."""
+        state = dict(self.__dict__)
+        state["_stack"] = None
+        return state
+
+    def use_backend(self, backend: AttentionBackend, max_positions: int) -> None:
+        """Attend with ``backend``; with a graph-safe (Triton) one, also fuse the elementwise ops;
+        with the CPU's invariant one, run them through its C++ kernels (``InvariantCpuLayerOps``)."""
+        self.backend = backend
+        self._stack = None
+        if backend.graph_safe:
+            from jitney.worker.layers.ops import TritonLayerOps
+
+            self.ops = TritonLayerOps(self.ops.inv_freq, max_positions)
+        elif isinstance(backend, InvariantCpuAttention):
+            self.ops = InvariantCpuLayerOps(self.ops.inv_freq)
+        else:
+            self.ops = TorchLayerOps(self.ops.inv_freq)
+
+    def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
+        norm = self.model.norm   # through the layer ops: one fused kernel, as the layers' norms
+        x = self.ops.rms_norm(hidden[sample_indices], norm.weight, norm.eps)
+        if self.lm_head is None:
+            return F.linear(x, self.model.embed_tokens.weight).float()
+        return self.lm_head(x).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        """Move weights from an HF-named ``state_dict`` into this model.
+
+        Tensors are popped from ``state_dict`` as they are used, so the two
+        never hold the whole model twice. Raises ``ValueError`` on a missing
+        tensor or a shape mismatch.
+        """
+        for name, param in list(self.named_parameters()):
+            parts = [state_dict.pop(src).to(device=device, dtype=dtype) for src in _hf_sources(name, state_dict)]
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            prefix, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(prefix), leaf, nn.Parameter(tensor, requires_grad=False))
+        self.ops = TorchLayerOps(self.ops.inv_freq.to(device))
+        self.eval()
+
+
+# Fused parameters and the HF tensors they are stacked from (in this order).
+_FUSED: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _hf_sources(name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """The HF tensor names that make up parameter ``name``; all must exist."""
+    prefix, _, leaf = name.rpartition(".")
+    sources = [name]
+    for fused, parts in _FUSED.items():
+        if prefix.endswith(fused):
+            base = prefix[: -len(fused)]
+            sources = [f"{base}{part}.{leaf}" for part in parts]
+    missing = [s for s in sources if s not in state_dict]
+    if missing:
+        raise ValueError(f"checkpoint lacks {', '.join(missing)}")
+    return sources

@@ -1,0 +1,45 @@
+"""Which model file runs a checkpoint: Hugging Face architecture names (``config.json``'s
+``architectures``), or its ``model_type`` where a config names no architecture (a GGUF
+file's), to a family module.
+
+A family module (``llama.py`` is the first) defines ``ARCHITECTURES``, ``MODEL_TYPES``,
+``config_from_hf(hf) -> ModelConfig`` (whose ``family`` is the module's name) and
+``CausalLM``, which the loader builds. A new family is one file here and
+one entry in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from jitney.worker.models import llama
+from jitney.worker.models.config import UnsupportedModelError
+
+FAMILIES: tuple[ModuleType, ...] = (llama,)
+
+_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
+_BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.MODEL_TYPES}
+_BY_NAME = {family.__name__.rsplit(".", 1)[-1]: family for family in FAMILIES}
+
+
+def family_named(name: str) -> ModuleType:
+    """The family module a ``ModelConfig.family`` names."""
+    if name not in _BY_NAME:
+        raise UnsupportedModelError(f"no model family {name!r} (known: {', '.join(sorted(_BY_NAME))})")
+    return _BY_NAME[name]
+
+
+def family_for(hf: Any) -> ModuleType:
+    """The family module that runs transformers config ``hf``; raises
+    ``UnsupportedModelError`` naming what the config says and what is supported."""
+    architectures = list(getattr(hf, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[arch]
+    model_type = getattr(hf, "model_type", None)
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    named = f"architecture {', '.join(architectures)} (model_type {model_type!r})" if architectures \
+        else f"model_type {model_type!r}"
+    raise UnsupportedModelError(f"{named} is not supported (supported: {', '.join(sorted(_BY_ARCHITECTURE))})")
