@@ -43,12 +43,14 @@ output; nothing falls back silently.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -94,6 +96,29 @@ def cache_dir() -> Path:
     return root / key.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Hold the build folder's lock while torch builds or loads into it.
+
+    torch's own lock is a file it creates and deletes (``lock``, a FileBaton): a
+    build killed in between (Ctrl-C during ``make``, a killed worker) leaves it
+    behind, and every later start would wait for it forever, silently. This
+    lock is an flock, which the kernel releases when its process dies; every
+    Jitney build takes it first, so while it is held no other build can own a
+    ``lock`` file there, and one that exists is stale.
+    """
+    with open(folder / "jitney.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load() -> None:
     """Build (first time on this machine) and load the kernels; idempotent."""
     global _loaded
@@ -107,9 +132,10 @@ def load() -> None:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name="jitney_cpu", sources=[str(src) for src in SOURCES], extra_cflags=FLAGS,
-                               extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                               is_python_module=False, verbose=False)
+            with _build_lock(folder):
+                cpp_extension.load(name="jitney_cpu", sources=[str(src) for src in SOURCES], extra_cflags=FLAGS,
+                                   extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                                   is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as err:
             raise KernelBuildError(f"building the CPU kernels in {folder} failed: {err}") from err
         _loaded = True
