@@ -33,14 +33,8 @@ def test_every_package_is_in_the_wheel() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     dirs = config["package-dir"]
-    found = set()
-    for package, folder in dirs.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            name = ".".join((package, *rel.parts))
-            if not any(name == other or name.startswith(other + ".") for other in set(dirs) - {package}
-                       if len(other) > len(package)):
-                found.add(name)
+    found = {".".join((package, *init.parent.relative_to(ROOT / folder).parts))
+             for package, folder in dirs.items() for init in (ROOT / folder).rglob("__init__.py")}
     assert found - listed == set()
     assert listed - found == set()
 

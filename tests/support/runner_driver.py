@@ -55,7 +55,12 @@ class Driver:
         self.free += seq.blocks
         seq.blocks, seq.computed, seq.known = [], 0, False
 
-    def step(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> dict[int, int]:
+    def masked(self, sid: int) -> bool:
+        """Whether ``sid``'s sample in the next plan takes a grammar mask (none here)."""
+        return False
+
+    def plan(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepPlan:
+        """The next step's plan: ``budget[sid]`` more tokens of each sequence, blocks as they fill."""
         plan = pb.StepPlan(step_id=self.step_id, freed_seq_ids=list(freed))
         self.step_id += 1
         for sid, n in budget.items():
@@ -67,12 +72,16 @@ class Driver:
             need = math.ceil((seq.computed + n) / BLOCK) - len(seq.blocks)
             new_blocks = [self.free.pop() for _ in range(need)]
             seq.blocks += new_blocks
+            sample = seq.computed + n == len(seq.tokens)
             plan.chunks.add(
                 seq_id=sid, start_position=seq.computed, token_ids=seq.tokens[seq.computed : seq.computed + n],
-                new_block_ids=new_blocks, sample=seq.computed + n == len(seq.tokens),
+                new_block_ids=new_blocks, sample=sample, masked=sample and self.masked(sid),
             )
             seq.computed += n
-        result = self.runner.execute(plan)
+        return plan
+
+    def step(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> dict[int, int]:
+        result = self.runner.execute(self.plan(budget, freed))
         out = dict(zip(result.seq_ids, result.token_ids))
         for sid, token in out.items():
             self.seqs[sid].tokens.append(token)

@@ -7,7 +7,6 @@ path. The processors on fixed logits: test_sampling_params.py.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import runner_driver
+from tests.support.runner_driver import BLOCK, NUM_BLOCKS
 from tests.support.tiny_models import make_tiny_llama
 from tests.support.engine_sockets import SchedulerSockets
 from tests.support.sampling_refs import EOS, VOCAB, bitmask, ref_penalties
@@ -25,8 +26,6 @@ from jitney.worker.main import run_worker
 from jitney.worker.runner.plan_checks import PlanError
 from jitney.worker.runner.model_runner import MaskError, ModelRunner
 
-BLOCK = 4
-NUM_BLOCKS = 96
 
 
 # -- through the runner (tiny model) --------------------------------------------------
@@ -56,62 +55,37 @@ def ref_log_softmax(ref: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 @dataclass
-class Seq:
-    tokens: list[int]
-    sampling: pb.SamplingConfig
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    known: bool = False
+class Seq(runner_driver.Seq):
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: dict[int, tuple[int, float, list[tuple[int, float]]]] = field(default_factory=dict)
 
 
-class Driver:
-    """A minimal scheduler: blocks, plans, masks on request; keeps every result."""
+class Driver(runner_driver.Driver):
+    """``runner_driver.Driver`` with masks on request; keeps every result."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.free = list(range(NUM_BLOCKS - 1, -1, -1))
-        self.seqs: dict[int, Seq] = {}
-        self.step_id = 0
+        super().__init__(runner)
+        self.seqs: dict[int, Seq] = {}  # type: ignore[assignment]
         self.masks: dict[int, list[int]] = {}    # seq_id -> allowed token ids of its next samples
 
-    def add(self, sid: int, prompt: list[int], **sampling: object) -> None:
+    def add(self, sid: int, prompt: list[int], **sampling: object) -> None:  # type: ignore[override]
         config = pb.SamplingConfig(num_prompt_tokens=len(prompt), **sampling)  # type: ignore[arg-type]
         self.seqs[sid] = Seq(list(prompt), config)
 
     def preempt(self, sid: int) -> None:
-        seq = self.seqs[sid]
-        self.free += seq.blocks
-        seq.blocks, seq.computed, seq.known = [], 0, False
-        seq.sampling.ClearField("prompt_logprobs")   # asked for once
+        super().preempt(sid)
+        self.seqs[sid].sampling.ClearField("prompt_logprobs")   # asked for once
 
-    def plan(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepPlan:
-        plan = pb.StepPlan(step_id=self.step_id, freed_seq_ids=list(freed))
-        self.step_id += 1
-        for sid, n in budget.items():
-            seq = self.seqs[sid]
-            if not seq.known:
-                plan.new_sequences.add(seq_id=sid, sampling=seq.sampling)
-                seq.known = True
-            n = min(n, len(seq.tokens) - seq.computed)
-            need = math.ceil((seq.computed + n) / BLOCK) - len(seq.blocks)
-            new_blocks = [self.free.pop() for _ in range(need)]
-            seq.blocks += new_blocks
-            sample = seq.computed + n == len(seq.tokens)
-            plan.chunks.add(seq_id=sid, start_position=seq.computed, new_block_ids=new_blocks,
-                            token_ids=seq.tokens[seq.computed:seq.computed + n], sample=sample,
-                            masked=sample and sid in self.masks)
-            seq.computed += n
-        return plan
+    def masked(self, sid: int) -> bool:
+        return sid in self.masks
 
     def masks_for(self, plan: pb.StepPlan) -> pb.StepMasks:
         sids = [c.seq_id for c in plan.chunks if c.masked]
         return pb.StepMasks(step_id=plan.step_id, seq_ids=sids,
                             bitmask=bitmask([self.masks[s] for s in sids]).astype("<i4").tobytes())
 
-    def step(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepResult:
+    def step(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepResult:  # type: ignore[override]
         plan = self.plan(budget, freed)
         result = self.runner.execute(plan, lambda step_id: self.masks_for(plan))
         self.take(result)
@@ -134,11 +108,6 @@ class Driver:
                 top = list(zip(entry.top_token_ids[i * n:(i + 1) * n], entry.top_logprobs[i * n:(i + 1) * n]))
                 assert entry.start_position + i not in seq.prompt_logprobs
                 seq.prompt_logprobs[entry.start_position + i] = (token, logprob, top)
-
-    def generate(self, sids: list[int], steps: int, chunk: int = 64) -> None:
-        for _ in range(steps):
-            self.step({sid: chunk for sid in sids})
-
 
 PROMPTS = {1: [5, 17, 42, 99, 3, 250, 7, 8, 11, 60, 61], 2: [300, 2, 19, 77, 140, 141, 142],
            3: list(range(30, 53)), 4: [7, 7, 7, 9, 9, 100]}

@@ -34,7 +34,7 @@ from jitney.worker.layers.mlp import MLP
 from jitney.worker.layers.norm import RMSNorm
 from jitney.worker.layers import program
 from jitney.worker.layers.ops import InvariantCpuLayerOps, TorchLayerOps
-from jitney.worker.layers.program import Op, Program
+from jitney.worker.layers.program import Op, Program, check_program
 from jitney.worker.layers.reduce import Reduce, no_reduce
 from jitney.worker.layers.rotary import rope_inv_freq
 from jitney.worker.models.config import ModelConfig, UnsupportedModelError, rope_from_hf
@@ -98,6 +98,8 @@ class DecoderLayer(nn.Module):
                                    qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        # run() indexes norms and linears without checks: the program is checked once, here
+        check_program(self.PROGRAM, len(self.norms()), len(self.linears()))
 
     def norms(self) -> list[RMSNorm]:
         return [self.input_layernorm, self.post_attention_layernorm]
