@@ -375,17 +375,20 @@ def test_torch_ops_of_the_cpu_path_are_row_invariant(dtype: torch.dtype, hidden:
 
 @pytest.mark.parametrize("vocab", [320, 49152])
 def test_logprob_reductions_are_row_invariant(vocab: int) -> None:
-    # Seeded: over 49152 logits the two float32 sums differ by up to ~1e-5, just past
-    # assert_close's default, for about one unseeded draw in 60 (seed 7 of 0-59).
+    # Against torch the check is closeness, not bits: torch sums the 49152 exps in an order
+    # set by its vector width, ours in a fixed one, and the two float32 sums differ by
+    # ~1e-5 in the log (1.3e-5 with AVX2's 8 lanes on this seed, past assert_close's
+    # default 1e-5); sqrt(49152) * 2^-24 * |lse ~ 15| bounds the usual gap near 2e-4.
     logits = torch.randn(70, vocab, generator=torch.Generator().manual_seed(0)) * 4
     assert_rows_invariant(row_sums, logits.exp())
     assert_rows_invariant(row_logsumexp, logits)
     tokens = logits.argmax(dim=-1)
     lp = lambda rows: greedy_logprobs(rows)[1]  # noqa: E731
     assert_rows_invariant(lp, logits)
-    torch.testing.assert_close(lp(logits), logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+    near = {"atol": 1e-4, "rtol": 1e-5}
+    torch.testing.assert_close(lp(logits), logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1), **near)
     assert_rows_invariant(log_softmax_rows, logits)
-    torch.testing.assert_close(log_softmax_rows(logits), logits.log_softmax(-1))
+    torch.testing.assert_close(log_softmax_rows(logits), logits.log_softmax(-1), **near)
 
 
 @pytest.mark.parametrize("vocab", [1, 17, 64, 100, 320, 49152])
