@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2
 from jitney.common.arg_types import int_in, non_negative_float, positive_float, positive_int
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.engine import Engine
-from jitney.scheduler.api.servicer import GenerationServicer, ServingState
+from jitney.scheduler.api.servicer import GenerationServicer, ServingState, implementation, invariance_guaranteed
 from jitney.scheduler.api.validation import ModelLimits
 from jitney.scheduler.core.worker_link import WorkerLink, WorkerLostError
 
@@ -74,11 +74,13 @@ class Lifecycle:
         self.servicer.refusing = None
         await self.set_health(SERVING)
         weights = f", {ready.quantization} weights" if ready.quantization not in ("", "none") else ""
+        if implementation(ready) == "transformers":
+            weights += ", through transformers' modeling code"
         name = self.servicer.served_names(state)[0]
         print(f"jitney: ready on {self.address}: {name} ({ready.dtype}{weights}, {ready.device}), "
               f"{ready.num_blocks} KV blocks of {ready.block_size} tokens, step budget "
               f"{engine.config.max_num_batched_tokens} tokens, {engine.config.max_num_seqs} seats, "
-              f"warm-up {ready.warmup_seconds:.1f} s, batch-invariant {'on' if ready.batch_invariant else 'off'}, "
+              f"warm-up {ready.warmup_seconds:.1f} s, batch-invariant {_invariance(ready)}, "
               f"worker pid {ready.worker_pid}"
               + (f", tensor-parallel over {ready.tensor_parallel_size} ranks" if ready.tensor_parallel_size > 1 else ""),
               flush=True)
@@ -183,3 +185,12 @@ def production_fields(ns: Any) -> dict[str, Any]:
 
 
 _metrics_port = int_in(0, 65535, meaning="a TCP port or 0")
+
+
+def _invariance(ready: engine_pb2.Ready) -> str:
+    """The ready line's word for batch invariance: on (guaranteed), off, or kernels only."""
+    if not ready.batch_invariant:
+        return "off"
+    if not invariance_guaranteed(ready):
+        return "kernels on (not guaranteed: transformers' code runs between them)"
+    return "on"

@@ -258,7 +258,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "context_length", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "quantization")
+    __slots__ = ("model_name", "context_length", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "quantization", "model_implementation", "batch_invariance_guaranteed")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,8 @@ class GetModelInfoResponse(_message.Message):
     WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANCE_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
     vocab_size: int
@@ -285,7 +287,9 @@ class GetModelInfoResponse(_message.Message):
     warmup_seconds: float
     batch_invariant: bool
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., quantization: _Optional[str] = ...) -> None: ...
+    model_implementation: str
+    batch_invariance_guaranteed: bool
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -264,6 +264,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             warmup_seconds=ready.warmup_seconds,
             batch_invariant=ready.batch_invariant,
             quantization=ready.quantization or "none",
+            model_implementation=implementation(ready),
+            batch_invariance_guaranteed=invariance_guaranteed(ready),
         )
 
     async def GetServerStats(self, request: pb.GetServerStatsRequest,
@@ -347,3 +349,15 @@ def _stream_response(request_id: str, event: StreamEvent, texts: TokenTexts,
     if event.stream_done:
         response.usage.CopyFrom(_usage(event))
     return response
+
+
+def implementation(ready: engine_pb2.Ready) -> str:
+    """Which code runs the worker's model: "native" or "transformers" (a worker older
+    than the field runs only native families)."""
+    return ready.model_implementation or "native"
+
+
+def invariance_guaranteed(ready: engine_pb2.Ready) -> bool:
+    """Whether the worker guarantees batch invariance (an older worker: when its
+    invariant kernels run, as all its models were native)."""
+    return ready.batch_invariance_guaranteed if ready.model_implementation else ready.batch_invariant

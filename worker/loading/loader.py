@@ -22,8 +22,7 @@ from jitney.worker.attention.backends import BackendUnavailableError
 from jitney.worker.kernels.cpu.packed import PackedLinear, pack_linears, packing_supported
 from jitney.worker.layers.reduce import Reduce, no_reduce
 from jitney.worker.models.config import ModelConfig, ModelFacts, UnsupportedModelError
-from jitney.worker.models.llama import CausalLM
-from jitney.worker.models.registry import family_for, family_named
+from jitney.worker.models.registry import ServedModel, family_for, family_named
 from jitney.worker.distributed.sharding import Shard, check_shardable, local_config, read_safetensors, shard_state_dict
 from jitney.worker.loading.weights_cache import WeightsCache
 
@@ -142,7 +141,7 @@ def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, tor
     return parsed["tensors"]
 
 
-def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
+def _swap_linears(net: ServedModel, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
                   quantization: str = "none") -> None:
     """The linear layers and the logits' head (its own weight, or the tied
     embedding's) through the device's kernel:
@@ -158,6 +157,7 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
       on the number of rows; else torch's ``nn.Linear``.
     """
     head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
+    head_bias = getattr(net.lm_head, "bias", None)   # (a transformers-path model's head may have one)
     if quantization in ("int8", "int4"):
         if device.type != "cpu":
             raise ValueError(f"--quantization {quantization} runs on the CPU only")
@@ -172,7 +172,7 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
             where = "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)" if path == "amx" else names[path]
         # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
         # 19.0 (bench/quant_accuracy.py; README "int4 weights").
-        net.lm_head = cpu_kernels.Int8Linear(head, None, out_float=True)
+        net.lm_head = cpu_kernels.Int8Linear(head, head_bias, out_float=True)
         if "portable" not in where + head_where:
             logger.info("%s weights: %d linear layers run on %s, the int8 head on %s", quantization, count, where,
                         head_where)
@@ -187,15 +187,15 @@ def _swap_linears(net: CausalLM, dtype: torch.dtype, device: torch.device, batch
             raise BackendUnavailableError("--batch-invariant on CUDA needs the triton package "
                                           "(pip install triton)") from err
         count = triton_matmul.use_invariant_linears(net.model)
-        net.lm_head = triton_matmul.TritonInvariantLinear(head, None)
+        net.lm_head = triton_matmul.TritonInvariantLinear(head, head_bias)
         logger.info("batch-invariant: %d linear layers and the head run the Triton matmul", count)
     elif batch_invariant and cpu_kernels.supported(dtype, device):
         count = cpu_kernels.use_invariant_linears(net.model)
-        net.lm_head = cpu_kernels.InvariantLinear(head, None, out_float=True)
+        net.lm_head = cpu_kernels.InvariantLinear(head, head_bias, out_float=True)
         logger.info("batch-invariant: %d linear layers and the head run the CPU kernel", count)
     elif packing_supported(dtype, device):
         count = pack_linears(net.model)
-        net.lm_head = PackedLinear(head, None)
+        net.lm_head = PackedLinear(head, head_bias)
         logger.info("packed %d linear layers and the head for oneDNN (bf16 on the CPU)", count)
 
 
@@ -203,7 +203,7 @@ def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
     *, batch_invariant: bool = False, quantization: str = "none", weights_cache: WeightsCache | None = None,
     shard: Shard | None = None, reduce: Reduce = no_reduce,
-) -> tuple[CausalLM, ModelFacts]:
+) -> tuple[ServedModel, ModelFacts]:
     """Load ``model`` (path or ``None`` = bundled default) ready to run.
 
     ``batch_invariant`` swaps the linear layers for batch-invariant ones,

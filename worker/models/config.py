@@ -11,7 +11,8 @@ from jitney.worker.layers.rotary import RopeScaling
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder."""
+    """Shape and numerics of a decoder (the native families' in full; the transformers
+    fallback's cache geometry, with its Hugging Face config)."""
 
     vocab_size: int
     hidden_size: int
@@ -28,6 +29,9 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
     family: str = "llama"  # the models/ file that runs it (models/registry.py)
+    # The transformers fallback (family "transformers"): the Hugging Face config as JSON,
+    # from which it builds transformers' model; "" for the native families.
+    hf_config: str = ""
 
 
 @dataclass(frozen=True)

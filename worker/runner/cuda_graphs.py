@@ -32,8 +32,8 @@ import torch
 
 from jitney.worker.runner.input_batch import InputBatch, StepChunk
 from jitney.worker.attention.kv_cache import PagedKVCache
-from jitney.worker.models.llama import CausalLM
 from jitney.worker.runner.sampler import greedy_logprobs, pack_results
+from jitney.worker.models.registry import ServedModel
 
 
 # Token buckets of the mixed-step graphs: powers of two to 512, then every 256 tokens (a step
@@ -66,7 +66,7 @@ class DecodeGraphs:
     padded forward eagerly over the staging buffer (tests do this on CPU).
     """
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, batch: InputBatch, sizes: Sequence[int],
+    def __init__(self, model: ServedModel, cache: PagedKVCache, batch: InputBatch, sizes: Sequence[int],
                  *, capture: bool = True, mixed_tokens: Sequence[int] = ()) -> None:
         self.model, self.cache, self.batch = model, cache, batch
         self.sizes = sorted(sizes)

@@ -167,7 +167,8 @@ class ModelRunner:
                                 block_size=config.block_size, device=self.device, vocab_size=self.facts.vocab_size,
                                 tile_block_q=prefill_block_q(cfg.num_heads, cfg.num_kv_heads) if graph_safe else 0)
         if capture_graphs is None:
-            capture_graphs = self.device.type == "cuda" and graph_safe and group is None
+            # (transformers' modeling code is not known to be capture-safe: it runs eagerly)
+            capture_graphs = self.device.type == "cuda" and graph_safe and group is None and cfg.family != "transformers"
         self.graphs = (DecodeGraphs(self.model, self.cache, self.batch, capture_sizes(max_seqs),
                                     mixed_tokens=mixed_buckets(max_tokens))
                        if capture_graphs else None)
@@ -201,7 +202,14 @@ class ModelRunner:
             batch_invariant=self.batch_invariant,
             tensor_parallel_size=self.config.tp_size,
             quantization=self.config.quantization,
+            model_implementation=self.implementation,
+            batch_invariance_guaranteed=self.batch_invariant and self.implementation == "native",
         )
+
+    @property
+    def implementation(self) -> str:
+        """Which code runs the model: "native" (a Jitney family) or "transformers" (the fallback)."""
+        return "transformers" if self.model.config.family == "transformers" else "native"
 
     @torch.inference_mode()
     def execute(self, plan: engine_pb2.StepPlan, wait_for_masks: MaskSource | None = None) -> engine_pb2.StepResult:

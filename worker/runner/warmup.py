@@ -27,7 +27,7 @@ from jitney.engine.v1 import engine_pb2
 from jitney.worker.attention.backend import AttentionMetadata
 from jitney.worker.runner.cuda_graphs import capture_sizes, mixed_buckets
 from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache
-from jitney.worker.models.llama import CausalLM
+from jitney.worker.models.registry import ServedModel
 
 if TYPE_CHECKING:
     from jitney.worker.runner.model_runner import ModelRunner
@@ -45,7 +45,7 @@ class MemoryReserve:
 
 
 @torch.inference_mode()
-def profile_activations(model: CausalLM, geometry: CacheGeometry, device: torch.device,
+def profile_activations(model: ServedModel, geometry: CacheGeometry, device: torch.device,
                         max_tokens: int, max_seqs: int, context_length: int) -> MemoryReserve:
     """Peak memory of the largest prefill and decode steps (CUDA; zero elsewhere)."""
     if device.type != "cuda":
@@ -60,20 +60,19 @@ def profile_activations(model: CausalLM, geometry: CacheGeometry, device: torch.
     del scratch
     torch.cuda.empty_cache()
     return MemoryReserve(activations=prefill, graphs=int(max(decode, mixed) * GRAPH_MARGIN)
-                         + _graph_outputs(model, max_seqs, tokens))
+                         + _graph_outputs(model, max_seqs, tokens, geometry.dtype.itemsize))
 
 
-def _graph_outputs(model: CausalLM, max_seqs: int, max_tokens: int) -> int:
+def _graph_outputs(model: ServedModel, max_seqs: int, max_tokens: int, itemsize: int) -> int:
     """Bytes the captured graphs keep as their outputs: each decode size's float32
-    logits and greedy choice, each mixed bucket's hidden states."""
+    logits and greedy choice, each mixed bucket's hidden states (``itemsize`` bytes an element)."""
     cfg = model.config
-    itemsize = model.model.embed_tokens.weight.element_size()
     decode = sum(s * (cfg.vocab_size * 4 + 16) for s in capture_sizes(max_seqs))
     mixed = sum(t * cfg.hidden_size * itemsize for t in mixed_buckets(max_tokens))
     return decode + mixed
 
 
-def _peak(model: CausalLM, cache: PagedKVCache, query_lens: list[int], block_size: int, logits_rows: int) -> int:
+def _peak(model: ServedModel, cache: PagedKVCache, query_lens: list[int], block_size: int, logits_rows: int) -> int:
     """Bytes allocated at the peak of one forward + logits, beyond what was allocated before."""
     device = cache.tensor.device
     torch.cuda.synchronize(device)
