@@ -20,6 +20,7 @@ LONGEST_FILES = (
     "test_batch_invariance.py",   # 64
     "test_triton_worker.py",      # 58
     "test_tensor_parallel.py",    # 46
+    "test_unsupported_model.py",  # 41 (2026-12-02, run alone)
     "test_worker_model.py",       # 38
     "test_production.py",         # 32
     "test_security_flags.py",     # 25 (test_security.py before its split: the real `jitney serve`)

@@ -61,11 +61,13 @@ from google.protobuf.message import DecodeError
 
 from jitney.common.background import idle_priority
 from jitney.common.incarnation import new_incarnation, routing_id
-from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV, pipe_ended
+from jitney.common.supervision import (MAX_REFUSAL_BYTES, READY_FD_ENV, REFUSED_BYTE, REFUSED_EXIT_CODE,
+                                      STANDBY_FD_ENV, SUPERVISOR_FD_ENV, pipe_ended)
 from jitney.common.zmq_security import client_side, load_client_keys
 from jitney.engine.v1 import engine_pb2
 from jitney.worker.distributed import parallel
 from jitney.worker.config import WorkerConfig, add_parallel_arguments, add_worker_arguments
+from jitney.worker.models.config import UnsupportedModelError
 from jitney.worker.runner.plan_checks import PlanError
 from jitney.worker.runner.model_runner import MaskError, MaskSource, ModelRunner
 from jitney.worker.runner.watchdog import Watchdog
@@ -146,6 +148,8 @@ def _supervisor_pipe() -> int | None:
 
 def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner] = ModelRunner) -> int:
     """Serve plans until Shutdown (exit code 0) or SIGTERM (also 0; see the module docstring).
+    A model no code path runs (``UnsupportedModelError`` while loading) exits
+    ``REFUSED_EXIT_CODE``, telling a supervisor why: restarting cannot help.
 
     Under tensor parallelism the group is joined first and the runner is
     always a ``ModelRunner`` of it; a rank > 0 follows rank 0 instead."""
@@ -158,6 +162,10 @@ def run_worker(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runne
     except _Terminated:
         logger.info("SIGTERM: exiting")
         return 0
+    except UnsupportedModelError as err:
+        logger.error("cannot serve this model: %s", err)
+        _tell_supervisor_refused(str(err))
+        return REFUSED_EXIT_CODE
 
 
 def _lead(config: WorkerConfig, make_runner: Callable[[WorkerConfig], Runner],
@@ -415,6 +423,20 @@ def _tell_supervisor_ready() -> None:
         os.close(int(fd))
     except (OSError, ValueError) as err:
         logger.warning("could not tell the supervisor this worker is ready (%s=%s): %s", READY_FD_ENV, fd, err)
+
+
+def _tell_supervisor_refused(reason: str) -> None:
+    """Under `jitney serve`: the refusal byte and the reason on the ready pipe, in one write."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is None:
+        return
+    data = REFUSED_BYTE + reason.encode()[:MAX_REFUSAL_BYTES]
+    try:
+        os.write(int(fd), data)
+        os.close(int(fd))
+    except (OSError, ValueError) as err:
+        logger.warning("could not tell the supervisor this worker refused its model (%s=%s): %s",
+                       READY_FD_ENV, fd, err)
 
 
 def main(argv: list[str] | None = None) -> int:

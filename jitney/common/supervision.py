@@ -2,14 +2,26 @@
 
 The supervisor hands each worker the write end of a pipe, by number, in
 ``READY_FD_ENV``; the worker writes one byte to it once its Ready is sent and
-closes it. The supervisor's restart policy tells the two kinds of death
-apart: a worker that was serving is restarted at once, one that died before
-its Ready is a crash loop (backoff, and a limit).
+closes it. The supervisor's restart policy tells the kinds of death apart: a
+worker that was serving is restarted at once, one that died before its Ready
+is a crash loop (backoff, and a limit), and one that refused its model
+(``REFUSED_EXIT_CODE``) ends `jitney serve` at once.
 """
 
 import select
 
 READY_FD_ENV = "JITNEY_READY_FD"
+
+# A worker that no code path can run its model on (an unsupported architecture:
+# the worker's UnsupportedModelError) exits with this status, after writing
+# REFUSED_BYTE and the reason (UTF-8, one write) to its ready pipe instead of the
+# ready byte. Restarting it cannot help: the supervisor stops at once (exit 2).
+# (78: sysexits' EX_CONFIG.)
+REFUSED_EXIT_CODE = 78
+READY_BYTE = b"r"
+REFUSED_BYTE = b"u"
+# One write of at most PIPE_BUF bytes is atomic: the supervisor reads the reason whole.
+MAX_REFUSAL_BYTES = 4000
 
 # A standby worker is handed the read end of a second pipe in this variable:
 # it loads and warms up, then waits for one byte on it before it connects

@@ -12,6 +12,8 @@ The two talk over ipc:// sockets in a private temporary folder.
     Ready                       (0.5 s, 1 s, 2 s ... up to 10 s); more than
                                 --max-worker-restarts of these within 5
                                 minutes: stop everything.
+    worker refuses its model    stop everything at once and exit 2, printing
+    (REFUSED_EXIT_CODE)         its reason: no restart can run that model.
     scheduler exits             stop the worker, exit with the scheduler's status
     SIGTERM                     pass it to the scheduler only: it drains, tells
                                 the worker to shut down, and both exit 0; let
@@ -69,7 +71,8 @@ from jitney.common.arg_types import positive_int
 from jitney.common import model_files
 from jitney.common.background import (QUIET_CPU, QUIET_MAX_WAIT_SECONDS, QUIET_SECONDS, CpuQuiet,
                                       may_leave_idle_policy)
-from jitney.common.supervision import READY_FD_ENV, STANDBY_FD_ENV, SUPERVISOR_FD_ENV
+from jitney.common.supervision import (READY_BYTE, READY_FD_ENV, REFUSED_BYTE, REFUSED_EXIT_CODE, STANDBY_FD_ENV,
+                                      SUPERVISOR_FD_ENV)
 
 STOP_GRACE_SECONDS = 10.0
 RESTART_WINDOW_SECONDS = 300.0
@@ -150,6 +153,7 @@ class _WorkerProcess:
     activate_pipe: int | None       # write end (a standby only): one byte starts it
     lifeline: int | None = None     # write end, never written: open, the worker ignores SIGTERM
     ready_since: float | None = None   # when its Ready byte came; None: not (yet) ready
+    refusal: str | None = None      # why it refused its model (REFUSED_BYTE on its ready pipe)
 
     @property
     def ready(self) -> bool:
@@ -186,8 +190,10 @@ class _WorkerProcess:
                 got = os.read(self.ready_pipe, 1)
             except BlockingIOError:
                 return self.ready
-            if got == b"r" and self.ready_since is None:
+            if got == READY_BYTE and self.ready_since is None:
                 self.ready_since = time.monotonic()
+            elif got == REFUSED_BYTE:
+                self.refusal = _read_rest(self.ready_pipe).decode(errors="replace")
             os.close(self.ready_pipe)    # one byte, or the end of the pipe: nothing more will come
             self.ready_pipe = None
         return self.ready
@@ -269,6 +275,20 @@ class _WorkerGroup:
             rank.close()
 
 
+def _read_rest(fd: int) -> bytes:
+    """What is left in the non-blocking pipe ``fd`` (a refusal's reason, written in one write)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _free_port() -> int:
     """A TCP port nothing listens on now (rank 0 binds it a moment later)."""
     with socket.socket() as s:
@@ -293,6 +313,7 @@ class _Supervisor:
     spare_at: float | None = None       # when to start the next standby
     standby_loads_idle: bool = False    # at SCHED_IDLE (else it waits for a quiet moment)
     quiet: CpuQuiet = field(default_factory=lambda: CpuQuiet(QUIET_SECONDS, QUIET_CPU))   # the serving worker's
+    exit_code: int = 1                  # when the worker gives up: 2 for a refused model
 
     def run(self) -> int:
         if self.tp_size > 1:
@@ -306,7 +327,7 @@ class _Supervisor:
         try:
             while (code := self.scheduler.poll()) is None:
                 if not self._tend_worker():
-                    return 1
+                    return self.exit_code
                 self._tend_spare()
                 self._enforce_stop_deadline()
                 time.sleep(POLL_SECONDS)
@@ -345,16 +366,22 @@ class _Supervisor:
         return backoff
 
     def _tend_worker(self) -> bool:
-        """Replace a dead worker when due; False once crash-loop restarts are used up."""
+        """Replace a dead worker when due; False once crash-loop restarts are used up or the
+        worker refused its model."""
         now = time.monotonic()
         if self.worker is not None:
             self.worker.lead.poll_ready()
+            if self.worker.lead.refusal is not None:   # (no need to wait for its exit)
+                self.worker.kill()
+                return self._refused(self.worker.lead.refusal)
             code = self.worker.poll()
             if code is None or self.stopping_since is not None:
                 return True
             dead, self.worker = self.worker, None
             dead.lead.poll_ready()    # a byte written just before it died
             dead.kill()               # the other ranks of its group, if any
+            if dead.lead.refusal is not None or code == REFUSED_EXIT_CODE:
+                return self._refused(dead.lead.refusal)
             if self.tp_size > 1:
                 print(f"jitney: a rank of the tensor-parallel worker group exited with status {code}; "
                       "stopped the group", file=sys.stderr, flush=True)
@@ -376,6 +403,15 @@ class _Supervisor:
             self.restart_at = None
             self.worker = _WorkerGroup.start(self.worker_cmd, self.tp_size)
         return True
+
+    def _refused(self, reason: str | None) -> bool:
+        """The worker refused its model: nothing to restart. Stops the scheduler; False."""
+        print(f"jitney serve: cannot serve this model: {reason or 'the worker refused it (see its log above)'}",
+              file=sys.stderr, flush=True)
+        self.exit_code = 2
+        if self.scheduler.poll() is None:
+            self.scheduler.terminate()
+        return False
 
     def _tend_spare(self) -> None:
         """Keep one loaded standby while a worker serves. It starts once that
