@@ -31,6 +31,10 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   integer scale per 32 inputs, exactly the int8 layer of the weights ``c * q``
   (AVX-512 VNNI from the nibbles for up to 4 rows, else int8 tiles unpacked in
   cache for the AMX kernel).
+- ``moe_experts`` (``csrc/moe.cpp``, wrapped by ``moe.InvariantMoeExperts``): a
+  mixture-of-experts layer's routed experts, each expert's gate, up and down
+  on the bf16 linear's kernels over the step's rows routed to it, a token's k
+  outputs added in top-k order in float32 and rounded once.
 
 The source is compiled once per machine with torch's C++ extension tooling
 (a C++ compiler and ninja are needed; the ``ninja`` package is a

@@ -44,4 +44,9 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("int4_path() -> str", &int4_path_op);
   m.def("linear_int4(Tensor x, Tensor q4, Tensor cv, Tensor scale, Tensor? bias, int in_features, int out_features, "
         "bool out_float, bool portable=False) -> Tensor", &linear_int4_op);
+  // moe.cpp
+  m.def("pack_moe_weight(Tensor weight) -> Tensor", &pack_moe_weight_op);
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, Tensor up, Tensor down, "
+        "Tensor? gate_bias, Tensor? up_bias, Tensor? down_bias, int hidden, int intermediate, str activation, "
+        "float alpha, float limit, bool out_float, bool portable=False) -> Tensor", &moe_experts_op);
 }

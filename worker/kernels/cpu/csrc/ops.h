@@ -53,4 +53,12 @@ at::Tensor linear_int4_op(const at::Tensor& x, const at::Tensor& q4, const at::T
                           const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
                           bool out_float, bool portable);
 
+// moe.cpp: a mixture-of-experts layer's routed experts
+at::Tensor pack_moe_weight_op(const at::Tensor& weight);
+at::Tensor moe_experts_op(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                          const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                          const c10::optional<at::Tensor>& gate_bias, const c10::optional<at::Tensor>& up_bias,
+                          const c10::optional<at::Tensor>& down_bias, int64_t hidden, int64_t intermediate,
+                          const std::string& activation, double alpha, double limit, bool out_float, bool portable);
+
 }  // namespace jitney_cpu
