@@ -133,3 +133,28 @@ def make_tiny_qwen2(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.1)
     return _save(model, path, vocab_size)
+
+
+def make_tiny_qwen3(path: Path, *, vocab_size: int = 320, seed: int = 0, head_dim: int = 24,
+                    attention_bias: bool = False, tied: bool = True) -> Path:
+    """A random fp32 Qwen3ForCausalLM with tokenizer: q/k norms per head (given random
+    weights, so the test sees them) and a ``head_dim`` other than hidden / heads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID, attention_bias=attention_bias, use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+            if attention_bias:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                             layer.self_attn.o_proj):
+                    proj.bias.normal_(0, 0.1)
+    return _save(model, path, vocab_size)

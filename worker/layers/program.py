@@ -21,6 +21,8 @@ norm that follows it.
     SILU_MUL       h = silu(gate) * up, h = [gate, up]
     REDUCE         the all-reduce of a row-parallel output (tensor parallelism; the
                    identity without it)
+    QK_NORM i      h's q heads through norms[i], its k heads through norms[i + 1]: an
+                   RMSNorm over each head's head_dim (Qwen3), v unchanged
 
 At the end ``h`` is the layer's output and ``residual`` the stream before it.
 """
@@ -49,6 +51,7 @@ class Op(enum.IntEnum):
     ADD_NORM = 4
     SILU_MUL = 5
     REDUCE = 6
+    QK_NORM = 7
 
 
 Program = tuple[tuple[Op, int], ...]
@@ -60,7 +63,8 @@ def check_program(program: Program, num_norms: int, num_linears: int) -> None:
     if not program or program[0][0] is not Op.INPUT_NORM:
         raise ValueError("a layer program starts with INPUT_NORM")
     for op, index in program:
-        limit = num_norms if op in (Op.INPUT_NORM, Op.ADD_NORM) else num_linears if op is Op.LINEAR else 1
+        limit = num_norms if op in (Op.INPUT_NORM, Op.ADD_NORM) else num_linears if op is Op.LINEAR else \
+            num_norms - 1 if op is Op.QK_NORM else 1
         if not 0 <= index < limit:
             raise ValueError(f"{op.name} {index}: the layer has {limit} of those")
 
@@ -90,7 +94,20 @@ def run(program: Program, norms: Sequence[RMSNorm], linears: Sequence[nn.Module]
             h = ops.silu_mul(h)
         elif op is Op.REDUCE:
             h = reduce(h)
+        elif op is Op.QK_NORM:
+            h = qk_norm(h, norms[index], norms[index + 1], heads, ops)
         else:
             raise ValueError(f"unknown layer op {op!r}")
     assert residual is not None
     return h, residual
+
+
+def qk_norm(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, heads: tuple[int, int, int],
+            ops: TorchLayerOps) -> torch.Tensor:
+    """``qkv (T, (nh + 2 kvh) d)`` with each q and k head RMS-normalised over its ``d``
+    (``layer_stack.cpp``'s QK_NORM does the same calls)."""
+    nh, kvh, d = heads
+    tokens = qkv.shape[0]
+    q = ops.rms_norm(qkv[:, : nh * d].reshape(tokens * nh, d), q_norm.weight, q_norm.eps)
+    k = ops.rms_norm(qkv[:, nh * d: (nh + kvh) * d].reshape(tokens * kvh, d), k_norm.weight, k_norm.eps)
+    return torch.cat((q.view(tokens, -1), k.view(tokens, -1), qkv[:, (nh + kvh) * d:]), dim=1)

@@ -58,8 +58,9 @@ STACKED: Stacked = (
 )
 
 
-def config_from_hf(hf: Any) -> ModelConfig:
-    """Translate a transformers config of this family, refusing what it cannot run."""
+def config_from_hf(hf: Any, family: str = "llama") -> ModelConfig:
+    """Translate a transformers config of this family (or of ``family``, one built on
+    it), refusing what it cannot run."""
     model_type = hf.model_type
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
@@ -82,7 +83,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type == "llama" and attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        family="llama",
+        family=family,
     )
 
 
@@ -110,8 +111,12 @@ class DecoderLayer(nn.Module):
                                    qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, shard=shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, shard=shard)
+        self.add_parts(cfg)
         # run() indexes norms and linears without checks: the program is checked once, here
         check_program(self.PROGRAM, len(self.norms()), len(self.linears()))
+
+    def add_parts(self, cfg: ModelConfig) -> None:
+        """A family built on this layer adds its own parts here (before the program is checked)."""
 
     def norms(self) -> list[RMSNorm]:
         return [self.input_layernorm, self.post_attention_layernorm]
@@ -137,15 +142,16 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, the layer stack and the final norm (HF's ``model.``)."""
+    """Embedding, the layer stack and the final norm (HF's ``model.``), of the family's ``layer`` class."""
 
-    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, shard: Shard = NO_SHARD) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, shard: Shard = NO_SHARD,
+                 layer: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         # Given an empty weight, the embedding skips its random init: on the meta
         # device, normal_ would import sympy (~1.5 s of a restarted worker's start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce, shard) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, reduce, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -155,7 +161,12 @@ class CausalLM(nn.Module):
     Under tensor parallelism ``cfg`` is the rank's local config
     (``sharding.local_config``), ``shard`` the rank and ``reduce`` the group's
     all-reduce. ``kernel``: what the linears run on once loaded (``layers/linear_kernel.py``).
+    A family built on this one names its decoder layer (``LAYER``) and its fused
+    tensors (``STACKED``).
     """
+
+    LAYER: type[DecoderLayer] = DecoderLayer
+    STACKED: Stacked = STACKED
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
                  reduce: Reduce = no_reduce, shard: Shard = NO_SHARD, kernel: LinearKernel = LinearKernel()) -> None:
@@ -163,7 +174,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.kernel = kernel
         self.backend = backend if backend is not None else TorchPagedAttention()
-        self.model = Decoder(cfg, reduce, shard)
+        self.model = Decoder(cfg, reduce, shard, self.LAYER)
         # The elementwise work between matmuls; ``use_backend`` picks the fused ops for Triton.
         self.ops = TorchLayerOps(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         # None: tied to the embedding (until a packed copy takes its place).
@@ -222,7 +233,7 @@ class CausalLM(nn.Module):
 
             attn = layers[0].self_attn
             stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                                            DecoderLayer.PROGRAM, [
+                                            self.LAYER.PROGRAM, [
                 ([(norm.weight, norm.eps) for norm in layer.norms()], *kv_cache.layer(i), layer.linears())
                 for i, layer in enumerate(layers)])
         self._stack = (weakref.ref(kv_cache), stack)
@@ -261,7 +272,7 @@ class CausalLM(nn.Module):
         """Fill this model (built on the meta device) from HF-named checkpoint tensors,
         then put its linears on its kernel. Returns the names no parameter took;
         raises ``ValueError`` on a missing tensor or a shape mismatch."""
-        unused = load_checkpoint(self, tensors, STACKED, dtype, device)
+        unused = load_checkpoint(self, tensors, self.STACKED, dtype, device)
         self.ops = TorchLayerOps(self.ops.inv_freq.to(device))
         head = self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.model.embed_tokens.weight
         kernel_head = self.kernel.apply(self.model, head)
