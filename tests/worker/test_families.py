@@ -18,7 +18,7 @@ import torch
 
 from tests.support.invariance_driver import BatchDriver, Request, first_difference, preempt_by_position, run_alone
 from tests.support.runner_driver import BLOCK, scenario
-from tests.support.tiny_models import make_tiny_qwen3
+from tests.support.tiny_models import make_tiny_mixtral, make_tiny_phi3, make_tiny_qwen3, make_tiny_qwen3_moe
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
 
@@ -26,6 +26,9 @@ from jitney.worker.runner.model_runner import ModelRunner
 FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "qwen3": (make_tiny_qwen3, "qwen3"),
     "qwen3-bias-untied": (lambda p: make_tiny_qwen3(p, attention_bias=True, tied=False, head_dim=8, seed=1), "qwen3"),
+    "phi3-longrope": (make_tiny_phi3, "phi3"),     # fused qkv/gate_up tensors; every position below 64: short factors
+    "mixtral": (make_tiny_mixtral, "mixtral"),
+    "qwen3-moe": (make_tiny_qwen3_moe, "qwen3_moe"),   # a dense layer between two sparse ones
 }
 PROMPTS = [(5, 17, 42), tuple(range(30, 53)), tuple((7 * i) % 311 + 3 for i in range(45)), (300, 2, 19, 77, 140),
            tuple(range(30, 45)) + (9, 9)]
@@ -90,9 +93,52 @@ def test_the_layer_stack_gives_the_layers_bits(models: dict[str, Path], name: st
     for stack in (True, False):
         runner = _runner(models[name], dtype, block_size=BLOCK)
         runner.model.use_layer_stack = stack
+        if stack and not runner.model.STACKABLE:   # a mixture of experts runs op by op
+            assert runner.model.layer_stack(runner.cache) is None
+            pytest.skip(f"{name}: the C++ stack does not hold mixture-of-experts layers")
         if stack:
             assert runner.model.layer_stack(runner.cache) is not None   # the stack is what runs
         runs.append(scenario(runner))
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert len(runs[0]["logits"]) > 20
     assert torch.equal(torch.tensor(runs[0]["logits"]), torch.tensor(runs[1]["logits"]))
+
+
+def test_longrope_takes_each_tokens_factors_by_its_own_position(models: dict[str, Path]) -> None:
+    """Past the original context the long factors, before it the short ones, per token,
+    with transformers' frequencies for each set and its attention factor on cos and sin."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    runner = _runner(models["phi3-longrope"], "float32")
+    rotary = runner.model.ops.rotary
+    hf = AutoConfig.from_pretrained(str(models["phi3-longrope"]))
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=65)
+    assert torch.equal(rotary.inv_freq, short) and rotary.long_inv_freq is not None
+    assert torch.equal(rotary.long_inv_freq, long) and not torch.equal(short, long)
+    assert rotary.switch == 64 and abs(rotary.scale - factor) < 1e-12 and factor > 1.1
+    positions = torch.tensor([0, 63, 64, 200])
+    freqs = rotary.freqs(positions)
+    assert torch.equal(freqs[:2], positions[:2, None].float() * short) and torch.equal(freqs[2:], positions[2:, None].float() * long)
+    cos, _ = runner.model.ops.rope_inputs(positions, torch.float32)
+    torch.testing.assert_close(cos[0], torch.full_like(cos[0], factor))     # cos(0) scaled
+
+
+def test_the_experts_torch_loop_matches_the_cpu_kernel() -> None:
+    """The experts' torch path (CUDA's until a fused kernel lands) against the CPU kernel,
+    float32: top-k order in both, so within rounding."""
+    from jitney.worker.layers.moe import SparseMoe
+
+    gen = torch.Generator().manual_seed(11)
+    moe = SparseMoe(32, 24, 8, 3, normalize=False)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(8, 32, generator=gen))
+        moe.experts.gate_up.copy_(torch.randn(8, 48, 32, generator=gen) * 0.2)
+        moe.experts.down.copy_(torch.randn(8, 32, 24, generator=gen) * 0.2)
+    x = torch.randn(40, 32, generator=gen)
+    ids, weights = moe.route(x)
+    assert ids.shape == (40, 3) and len(ids.unique()) > 3
+    loop = moe.forward(x)
+    moe.experts.use_cpu_kernel()
+    torch.testing.assert_close(moe.forward(x), loop, atol=1e-5, rtol=1e-5)

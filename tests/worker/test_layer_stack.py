@@ -7,6 +7,8 @@ CPU linear and for a model with q/k/v biases and a tied head."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any
 
 import pytest
@@ -111,11 +113,13 @@ def test_a_malformed_program_is_refused(ops: list[int], indices: list[int], mess
 def test_every_family_writes_a_well_formed_program() -> None:
     """Each registered family's layer program names only norms and linears its layer has
     (the C++ stack checks the counts again when it is built)."""
+    moe = replace(_TINY, num_experts=4, experts_per_token=2, moe_intermediate_size=32, dense_layers=(1,))
     for family in registry.FAMILIES:
-        layer = family.DecoderLayer
-        with torch.device("meta"):
-            built = layer(_TINY)
-        check_program(layer.PROGRAM, len(built.norms()), len(built.linears()))
+        layer = family.CausalLM.LAYER
+        for index in (0, 1):    # (a mixture-of-experts family's layer 1 is dense here)
+            with torch.device("meta"):
+                built = layer(moe, index=index)
+            check_program(built.PROGRAM, len(built.norms()), len(built.linears()))
 
 
 def test_qk_norm_names_two_norms() -> None:

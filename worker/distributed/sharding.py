@@ -29,7 +29,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     """Raise ``ValueError`` naming what does not split ``size`` ways."""
     bad = [f"{what} ({value})" for what, value in (("attention heads", cfg.num_heads),
                                                     ("KV heads", cfg.num_kv_heads),
-                                                    ("MLP intermediate size", cfg.intermediate_size))
+                                                    ("MLP intermediate size", cfg.intermediate_size),
+                                                    ("experts' intermediate size", cfg.moe_intermediate_size))
            if value % size]
     if bad:
         raise ValueError(f"tensor parallelism over {size} ranks needs the model's {', '.join(bad)} "
@@ -40,4 +41,5 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The shape one rank's model has: its heads and its share of the MLP."""
     check_shardable(cfg, size)
     return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
-                   intermediate_size=cfg.intermediate_size // size)
+                   intermediate_size=cfg.intermediate_size // size,
+                   moe_intermediate_size=cfg.moe_intermediate_size // size)

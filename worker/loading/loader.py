@@ -51,7 +51,7 @@ def source_facts(files: ModelFiles, hf: Any) -> ModelFacts:
     """The model's facts as its files state them (no ``--max-model-len`` cap)."""
     context = int(hf.max_position_embeddings)
     window = getattr(hf, "sliding_window", None)
-    if window and (hf.model_type == "mistral" or getattr(hf, "use_sliding_window", False)):
+    if window and (hf.model_type in ("mistral", "phi3") or getattr(hf, "use_sliding_window", False)):
         # Capping the context at the window makes windowed attention exact
         # without implementing it.
         context = min(context, int(window))

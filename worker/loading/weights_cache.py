@@ -156,4 +156,7 @@ def _config_to_json(config: ModelConfig) -> dict[str, Any]:
 
 def _config_from_json(data: dict[str, Any]) -> ModelConfig:
     rope = data.pop("rope_scaling", None)
+    if rope is not None:   # JSON lists back to the dataclass's tuples
+        rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
+    data["dense_layers"] = tuple(data.get("dense_layers", ()))
     return ModelConfig(**data, rope_scaling=RopeScaling(**rope) if rope is not None else None)

@@ -3,6 +3,8 @@ its rotary scaling, and the facts the scheduler needs (``ModelFacts``)."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,13 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
     family: str = "llama"  # the models/ file that runs it (models/registry.py)
+    # A mixture of experts (``layers/moe.py``): E experts of ``moe_intermediate_size``,
+    # ``experts_per_token`` of them per token; ``dense_layers`` keep a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,4 +74,20 @@ def rope_from_hf(hf: Any) -> tuple[float, RopeScaling | None]:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "longrope":
+        return theta, _longrope(hf, params)
+    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope)")
+
+
+def _longrope(hf: Any, params: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults: ``factor`` from the two context
+    lengths, and the attention factor sqrt(1 + ln(factor) / ln(original)) unless given."""
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
+    factor = float(params.get("factor") or hf.max_position_embeddings / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention))

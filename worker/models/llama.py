@@ -41,7 +41,7 @@ from jitney.worker.layers import program
 from jitney.worker.layers.ops import InvariantCpuLayerOps, TorchLayerOps
 from jitney.worker.layers.program import Op, Program, check_program
 from jitney.worker.layers.reduce import Reduce, no_reduce
-from jitney.worker.layers.rotary import rope_inv_freq
+from jitney.worker.layers.rotary import rotary_for
 from jitney.worker.models.config import ModelConfig, UnsupportedModelError, rope_from_hf
 from jitney.worker.models.weights import Stacked, load_checkpoint
 
@@ -103,9 +103,9 @@ class DecoderLayer(nn.Module):
         (Op.LINEAR, 2), (Op.SILU_MUL, 0), (Op.LINEAR, 3), (Op.REDUCE, 0),
     )
 
-    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, shard: Shard = NO_SHARD) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, shard: Shard = NO_SHARD, index: int = 0) -> None:
         super().__init__()
-        self.reduce = reduce
+        self.reduce, self.shard, self.index = reduce, shard, index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, shard=shard)
@@ -151,7 +151,7 @@ class Decoder(nn.Module):
         # device, normal_ would import sympy (~1.5 s of a restarted worker's start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(layer(cfg, reduce, shard) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, reduce, shard, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -167,6 +167,9 @@ class CausalLM(nn.Module):
 
     LAYER: type[DecoderLayer] = DecoderLayer
     STACKED: Stacked = STACKED
+    # Whether the CPU's C++ layer stack can hold the layers (it runs linears, norms and
+    # attention; a mixture-of-experts block runs op by op).
+    STACKABLE = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
                  reduce: Reduce = no_reduce, shard: Shard = NO_SHARD, kernel: LinearKernel = LinearKernel()) -> None:
@@ -176,7 +179,7 @@ class CausalLM(nn.Module):
         self.backend = backend if backend is not None else TorchPagedAttention()
         self.model = Decoder(cfg, reduce, shard, self.LAYER)
         # The elementwise work between matmuls; ``use_backend`` picks the fused ops for Triton.
-        self.ops = TorchLayerOps(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.ops = TorchLayerOps(rotary_for(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         # None: tied to the embedding (until a packed copy takes its place).
         self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
@@ -227,13 +230,14 @@ class CausalLM(nn.Module):
             return self._stack[1]
         stack = None
         layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
-        if (isinstance(self.ops, InvariantCpuLayerOps) and isinstance(self.backend, InvariantCpuAttention)
+        if (self.STACKABLE and isinstance(self.ops, InvariantCpuLayerOps)
+                and isinstance(self.backend, InvariantCpuAttention)
                 and all(layer.reduce is no_reduce for layer in layers)):
             from jitney.worker.kernels.cpu import ops as cpu_kernels
 
             attn = layers[0].self_attn
             stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                                            self.LAYER.PROGRAM, [
+                                            layers[0].PROGRAM, [
                 ([(norm.weight, norm.eps) for norm in layer.norms()], *kv_cache.layer(i), layer.linears())
                 for i, layer in enumerate(layers)])
         self._stack = (weakref.ref(kv_cache), stack)
@@ -253,11 +257,11 @@ class CausalLM(nn.Module):
         if backend.graph_safe:
             from jitney.worker.layers.ops import TritonLayerOps
 
-            self.ops = TritonLayerOps(self.ops.inv_freq, max_positions)
+            self.ops = TritonLayerOps(self.ops.rotary, max_positions)
         elif isinstance(backend, InvariantCpuAttention):
-            self.ops = InvariantCpuLayerOps(self.ops.inv_freq)
+            self.ops = InvariantCpuLayerOps(self.ops.rotary)
         else:
-            self.ops = TorchLayerOps(self.ops.inv_freq)
+            self.ops = TorchLayerOps(self.ops.rotary)
 
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
@@ -267,16 +271,26 @@ class CausalLM(nn.Module):
             return F.linear(x, self.model.embed_tokens.weight).float()
         return self.lm_head(x).float()
 
+    def rename(self, name: str) -> tuple[str, object] | None:
+        """A family's own checkpoint names (``models/weights.py``'s ``Rename``); none here."""
+        return None
+
     def load_weights(self, tensors: Iterable[tuple[str, Loaded]], dtype: torch.dtype,
                      device: torch.device) -> list[str]:
         """Fill this model (built on the meta device) from HF-named checkpoint tensors,
         then put its linears on its kernel. Returns the names no parameter took;
         raises ``ValueError`` on a missing tensor or a shape mismatch."""
-        unused = load_checkpoint(self, tensors, self.STACKED, dtype, device)
-        self.ops = TorchLayerOps(self.ops.inv_freq.to(device))
+        unused = load_checkpoint(self, tensors, self.STACKED, dtype, device, self.rename)
+        self.ops = TorchLayerOps(self.ops.rotary.to(device))
         head = self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.model.embed_tokens.weight
         kernel_head = self.kernel.apply(self.model, head)
         if kernel_head is not None:
             self.lm_head = kernel_head
+        if device.type == "cpu":
+            from jitney.worker.layers.moe import FusedExperts
+
+            for module in self.modules():   # the experts' own kernel (layers/moe.py), bf16 or float32
+                if isinstance(module, FusedExperts):
+                    module.use_cpu_kernel()
         self.eval()
         return unused

@@ -10,7 +10,8 @@ tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from jitney.worker.layers.linear import Loaded, ParallelLinear, default_weight_l
 
 # (the merged parameter's module suffix, a checkpoint module suffix, the part it is)
 Stacked = tuple[tuple[str, str, "str | int"], ...]
+# A family's own renaming, tried first: checkpoint name -> (parameter, part), or None
+# (stacked experts: each expert's tensor names its expert; ``layers/moe.py``).
+Rename = Callable[[str], "tuple[str, object] | None"]
 
 
 def _target(name: str, stacked: Stacked) -> tuple[str, str | int | None]:
@@ -42,7 +46,7 @@ def _sources(param: str, parts: Iterable[str | int | None], stacked: Stacked) ->
 
 
 def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Loaded]], stacked: Stacked,
-                    dtype: torch.dtype, device: torch.device) -> list[str]:
+                    dtype: torch.dtype, device: torch.device, rename: Rename | None = None) -> list[str]:
     """Fill every parameter of ``model`` (built on the meta device) from ``tensors``.
 
     Returns the names of the tensors no parameter took. Raises ``ValueError``
@@ -53,28 +57,32 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Loaded]], sta
         setattr(model.get_submodule(prefix), leaf,
                 nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
     params = dict(model.named_parameters())
-    filled: dict[str, set[str | int | None]] = {}
+    filled: dict[str, set[object]] = {}
     unused: list[str] = []
     with torch.no_grad():
         for name, loaded in tensors:
-            target, part = _target(name, stacked)
+            renamed = rename(name) if rename is not None else None
+            target, part = renamed if renamed is not None else _target(name, stacked)
             if target not in params:
                 unused.append(name)
                 continue
             prefix, _, leaf = target.rpartition(".")
-            module = model.get_submodule(prefix)
-            if isinstance(module, ParallelLinear):
+            module: Any = model.get_submodule(prefix)
+            if isinstance(module, ParallelLinear) or hasattr(module, "weight_loader"):
                 module.weight_loader(name, leaf, loaded, part)
             else:
                 default_weight_loader(name, params[target], loaded)
             filled.setdefault(target, set()).add(part)
     missing: list[str] = []
     for name in params:
-        module = model.get_submodule(name.rpartition(".")[0])
-        parts = module.parts if isinstance(module, ParallelLinear) else (None,)
+        prefix, _, leaf = name.rpartition(".")
+        owner: Any = model.get_submodule(prefix)
+        parts = owner.parts_of(leaf) if hasattr(owner, "parts_of") else getattr(owner, "parts", (None,))
         got = filled.get(name, set())
         if None not in got:
-            missing += _sources(name, [p for p in parts if p not in got], stacked)
+            absent = [p for p in parts if p not in got]
+            missing += _sources(name, absent, stacked) if all(p is None or isinstance(p, (str, int)) for p in absent) \
+                else [f"{name} ({len(absent)} of its {len(parts)} parts, e.g. {absent[0]})"] if absent else []
     if missing:
         raise ValueError(f"checkpoint lacks {', '.join(missing)}")
     return unused
