@@ -218,3 +218,35 @@ def make_tiny_qwen3_moe(path: Path, *, vocab_size: int = 320, seed: int = 0) -> 
             if gate is not None and hasattr(gate, "weight") and gate.weight.dim() == 2 and gate.weight.shape[0] == 8:
                 gate.weight.normal_(0, 0.5)   # HF initialises the router to zeros: every expert ties
     return _save(model, path, vocab_size)
+
+
+def make_tiny_gemma(path: Path, *, version: int = 3, vocab_size: int = 320, seed: int = 0, window: int = 6) -> Path:
+    """A random fp32 Gemma2ForCausalLM or Gemma3ForCausalLM (text) with tokenizer: 4 layers,
+    sliding (a ``window`` shorter than the prompts, not a multiple of the block) and global
+    interleaved, the norms' weights random (their 1 + w shows); Gemma 2 soft-caps the scores
+    and the logits, Gemma 3 has q/k norms and its own rotary base for the sliding layers."""
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=window,
+        layer_types=types, query_pre_attn_scalar=24, initializer_range=0.1, bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
+    if version == 2:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        config: Any = Gemma2Config(**common, attn_logit_softcapping=8.0, final_logit_softcapping=5.0)
+        cls: Any = Gemma2ForCausalLM
+    else:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(**common, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        cls = Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
+    return _save(model, path, vocab_size)

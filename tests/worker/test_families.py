@@ -18,7 +18,8 @@ import torch
 
 from tests.support.invariance_driver import BatchDriver, Request, first_difference, preempt_by_position, run_alone
 from tests.support.runner_driver import BLOCK, scenario
-from tests.support.tiny_models import make_tiny_mixtral, make_tiny_phi3, make_tiny_qwen3, make_tiny_qwen3_moe
+from tests.support.tiny_models import (make_tiny_gemma, make_tiny_mixtral, make_tiny_phi3, make_tiny_qwen3,
+                                       make_tiny_qwen3_moe)
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
 
@@ -29,6 +30,9 @@ FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "phi3-longrope": (make_tiny_phi3, "phi3"),     # fused qkv/gate_up tensors; every position below 64: short factors
     "mixtral": (make_tiny_mixtral, "mixtral"),
     "qwen3-moe": (make_tiny_qwen3_moe, "qwen3_moe"),   # a dense layer between two sparse ones
+    # windows of 6 keys (block 4) interleaved with global layers; prompts up to 45 tokens
+    "gemma2": (lambda p: make_tiny_gemma(p, version=2), "gemma"),
+    "gemma3": (lambda p: make_tiny_gemma(p, version=3, window=5), "gemma"),
 }
 PROMPTS = [(5, 17, 42), tuple(range(30, 53)), tuple((7 * i) % 311 + 3 for i in range(45)), (300, 2, 19, 77, 140),
            tuple(range(30, 45)) + (9, 9)]
@@ -93,9 +97,9 @@ def test_the_layer_stack_gives_the_layers_bits(models: dict[str, Path], name: st
     for stack in (True, False):
         runner = _runner(models[name], dtype, block_size=BLOCK)
         runner.model.use_layer_stack = stack
-        if stack and not runner.model.STACKABLE:   # a mixture of experts runs op by op
+        if stack and not runner.model.STACKABLE:   # mixture-of-experts and Gemma layers run op by op
             assert runner.model.layer_stack(runner.cache) is None
-            pytest.skip(f"{name}: the C++ stack does not hold mixture-of-experts layers")
+            pytest.skip(f"{name}: the C++ stack does not hold these layers yet")
         if stack:
             assert runner.model.layer_stack(runner.cache) is not None   # the stack is what runs
         runs.append(scenario(runner))

@@ -113,7 +113,8 @@ def test_a_malformed_program_is_refused(ops: list[int], indices: list[int], mess
 def test_every_family_writes_a_well_formed_program() -> None:
     """Each registered family's layer program names only norms and linears its layer has
     (the C++ stack checks the counts again when it is built)."""
-    moe = replace(_TINY, num_experts=4, experts_per_token=2, moe_intermediate_size=32, dense_layers=(1,))
+    moe = replace(_TINY, num_layers=2, num_experts=4, experts_per_token=2, moe_intermediate_size=32, dense_layers=(1,),
+                  layer_types=("sliding_attention", "full_attention"), sliding_window=4)
     for family in registry.FAMILIES:
         layer = family.CausalLM.LAYER
         for index in (0, 1):    # (a mixture-of-experts family's layer 1 is dense here)

@@ -75,6 +75,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu (tanh approximation) of the gate times up: elementwise torch on every path."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
                        meta: AttentionMetadata, backend: AttentionBackend,
                        heads: tuple[int, int, int]) -> torch.Tensor:

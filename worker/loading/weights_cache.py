@@ -159,4 +159,5 @@ def _config_from_json(data: dict[str, Any]) -> ModelConfig:
     if rope is not None:   # JSON lists back to the dataclass's tuples
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
     data["dense_layers"] = tuple(data.get("dense_layers", ()))
+    data["layer_types"] = tuple(data.get("layer_types", ()))
     return ModelConfig(**data, rope_scaling=RopeScaling(**rope) if rope is not None else None)

@@ -37,6 +37,17 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Per-layer attention (Gemma): each layer's type ("full_attention" or
+    # "sliding_attention", which sees the last ``sliding_window`` keys), the scores'
+    # and the final logits' soft caps (0: none), the attention scale (0: head_dim^-0.5),
+    # and the sliding layers' own rotary base.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    attn_scale: float = 0.0
+    local_rope_theta: float = 0.0
+    qk_norm: bool = False    # per-head q/k norms (Gemma 3; Qwen3's family always has them)
 
 
 @dataclass(frozen=True)

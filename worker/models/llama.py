@@ -111,6 +111,7 @@ class DecoderLayer(nn.Module):
                                    qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, shard=shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, shard=shard)
+        self.attend: dict[str, Any] = {}   # this layer's attention features (program.py's ATTEND)
         self.add_parts(cfg)
         # run() indexes norms and linears without checks: the program is checked once, here
         check_program(self.PROGRAM, len(self.norms()), len(self.linears()))
@@ -138,7 +139,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
         return program.run(self.PROGRAM, self.norms(), self.linears(), x, residual, rope, kv, meta, backend, ops,
-                           attn.heads, attn.scale, self.reduce)
+                           attn.heads, attn.scale, self.reduce, self.attend)
 
 
 class Decoder(nn.Module):

@@ -13,10 +13,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from jitney.worker.models import llama, mixtral, phi3, qwen3, qwen3_moe
+from jitney.worker.models import gemma, llama, mixtral, phi3, qwen3, qwen3_moe
 from jitney.worker.models.config import UnsupportedModelError
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, phi3, mixtral, qwen3_moe)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, phi3, mixtral, qwen3_moe, gemma)
 
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
 _BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.MODEL_TYPES}
