@@ -11,6 +11,8 @@ time (batch-1 TPOT).
     llama-0.6b    Llama with Qwen3-0.6B's dims (hidden 1024, 28 layers, 16 q / 8 KV heads
                   of 128, MLP 3072, vocab 151936, tied): the same matmuls without q/k norms
     qwen3-0.6b    Qwen3-0.6B's shape
+    gemma3-1b     Gemma-3-1B's shape (hidden 1152, 26 layers, 4 q / 1 KV heads of 256, MLP 6912,
+                  vocab 262144, windows of 512 in five layers of six); runs op by op
     qwen3-moe-4l  Qwen3-30B-A3B cut to 4 of its 48 layers (hidden 2048, 32 q / 4 KV heads of
                   128, 128 experts of 768, 8 per token, vocab 151936)
 
@@ -48,6 +50,13 @@ QWEN3_MOE: dict[str, Any] = {"hidden_size": 2048, "num_hidden_layers": 4, "num_a
                              "eos_token_id": 2}
 
 
+GEMMA3_1B: dict[str, Any] = {"hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4,
+                             "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912,
+                             "vocab_size": 262144, "sliding_window": 512, "query_pre_attn_scalar": 256,
+                             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                             "eos_token_id": 2, "pad_token_id": 0}
+
+
 def make_model(case: str, path: Path) -> Path:
     import torch
     import transformers
@@ -59,6 +68,11 @@ def make_model(case: str, path: Path) -> Path:
     if case == "llama-0.6b":
         config: Any = transformers.LlamaConfig(**QWEN3_06B, rope_parameters=rope)
         cls: Any = transformers.LlamaForCausalLM
+    elif case == "gemma3-1b":
+        config = transformers.Gemma3TextConfig(**GEMMA3_1B, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+        cls = transformers.Gemma3ForCausalLM
     elif case == "qwen3-0.6b":
         config = transformers.Qwen3Config(**QWEN3_06B, rope_parameters=rope)
         cls = transformers.Qwen3ForCausalLM
