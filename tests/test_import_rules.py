@@ -54,7 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     | STUBS_AND_COMMON,
     "jitney.worker.loading": {"jitney.worker.kernels", "jitney.worker.attention", "jitney.worker.layers",
                               "jitney.worker.models", "jitney.worker.distributed.sharding"} | STUBS_AND_COMMON,
-    "jitney.worker.distributed": {"jitney.worker.models", "jitney.worker.config", "jitney.worker.runner"}
+    "jitney.worker.distributed": {"jitney.worker.layers", "jitney.worker.models", "jitney.worker.config",
+                                  "jitney.worker.runner"}
     | STUBS_AND_COMMON,
     "jitney.worker.runner": {"jitney.worker"} | STUBS_AND_COMMON,
     "jitney.cli": {"jitney.client"},

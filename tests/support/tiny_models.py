@@ -133,3 +133,120 @@ def make_tiny_qwen2(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.1)
     return _save(model, path, vocab_size)
+
+
+def make_tiny_qwen3(path: Path, *, vocab_size: int = 320, seed: int = 0, head_dim: int = 24,
+                    attention_bias: bool = False, tied: bool = True) -> Path:
+    """A random fp32 Qwen3ForCausalLM with tokenizer: q/k norms per head (given random
+    weights, so the test sees them) and a ``head_dim`` other than hidden / heads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID, attention_bias=attention_bias, use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+            if attention_bias:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                             layer.self_attn.o_proj):
+                    proj.bias.normal_(0, 0.1)
+    return _save(model, path, vocab_size)
+
+
+def make_tiny_phi3(path: Path, *, vocab_size: int = 320, seed: int = 0, longrope: bool = True) -> Path:
+    """A random fp32 Phi3ForCausalLM with tokenizer: fused qkv_proj and gate_up_proj in
+    its checkpoint; with ``longrope``, LongRoPE factors over an original context of 64
+    of 256 positions (random factors, so the test sees them)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    g = torch.Generator().manual_seed(seed + 100)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    if longrope:
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                "short_factor": (1 + torch.rand(8, generator=g)).tolist(),
+                "long_factor": (1 + 4 * torch.rand(8, generator=g)).tolist()}
+    config = Phi3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        original_max_position_embeddings=64, rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=False,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0, sliding_window=None,
+    )
+    torch.manual_seed(seed)
+    return _save(Phi3ForCausalLM(config).eval(), path, vocab_size)
+
+
+def make_tiny_mixtral(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path:
+    """A random fp32 MixtralForCausalLM with tokenizer: 2 of 6 experts per token."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return _save(MixtralForCausalLM(config).eval(), path, vocab_size)
+
+
+def make_tiny_qwen3_moe(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path:
+    """A random fp32 Qwen3MoeForCausalLM with tokenizer: 3 layers, the middle one a dense
+    MLP (``mlp_only_layers``), 3 of 8 experts per token without renormalising."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=80, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID, use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "weight") and gate.weight.dim() == 2 and gate.weight.shape[0] == 8:
+                gate.weight.normal_(0, 0.5)   # HF initialises the router to zeros: every expert ties
+    return _save(model, path, vocab_size)
+
+
+def make_tiny_gemma(path: Path, *, version: int = 3, vocab_size: int = 320, seed: int = 0, window: int = 6) -> Path:
+    """A random fp32 Gemma2ForCausalLM or Gemma3ForCausalLM (text) with tokenizer: 4 layers,
+    sliding (a ``window`` shorter than the prompts, not a multiple of the block) and global
+    interleaved, the norms' weights random (their 1 + w shows); Gemma 2 soft-caps the scores
+    and the logits, Gemma 3 has q/k norms and its own rotary base for the sliding layers."""
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=window,
+        layer_types=types, query_pre_attn_scalar=24, initializer_range=0.1, bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
+    if version == 2:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        config: Any = Gemma2Config(**common, attn_logit_softcapping=8.0, final_logit_softcapping=5.0)
+        cls: Any = Gemma2ForCausalLM
+    else:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(**common, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        cls = Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
+    return _save(model, path, vocab_size)

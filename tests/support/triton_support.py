@@ -35,12 +35,20 @@ def build(fn, types, consts, arch):
 '''
 
 
+def interpret_when_no_cuda() -> None:
+    """Where there is no CUDA, have Triton interpret what it decorates from now on, without
+    importing it: for a module that imports Triton only in some tests, called before
+    anything that may import it (transformers' masking_utils does), since Triton's own
+    library functions are decorated when Triton is first imported."""
+    if DEVICE.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def interpret_without_cuda() -> ModuleType:
     """Triton, interpreted where there is no CUDA; skips the module without Triton.
 
     Interpreted, ``tl.dot`` sums each output over K in order (``fixed_order_dot``)."""
-    if DEVICE.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpret_when_no_cuda()
     triton = pytest.importorskip("triton")
     if DEVICE.type == "cpu":
         from triton.runtime import interpreter

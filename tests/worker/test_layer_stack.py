@@ -7,6 +7,8 @@ CPU linear and for a model with q/k/v biases and a tied head."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from tests.support.runner_driver import BLOCK, NUM_BLOCKS, scenario
 from tests.support.tiny_models import make_tiny_llama, make_tiny_qwen2
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
-from jitney.worker.layers.program import check_program
+from jitney.worker.layers.program import Op, check_program
 from jitney.worker.models import registry
 from jitney.worker.models.config import ModelConfig
 from jitney.worker.models.llama import DecoderLayer
@@ -111,8 +113,27 @@ def test_a_malformed_program_is_refused(ops: list[int], indices: list[int], mess
 def test_every_family_writes_a_well_formed_program() -> None:
     """Each registered family's layer program names only norms and linears its layer has
     (the C++ stack checks the counts again when it is built)."""
+    moe = replace(_TINY, num_layers=2, num_experts=4, experts_per_token=2, moe_intermediate_size=32, dense_layers=(1,),
+                  layer_types=("sliding_attention", "full_attention"), sliding_window=4)
     for family in registry.FAMILIES:
-        layer = family.DecoderLayer
-        with torch.device("meta"):
-            built = layer(_TINY)
-        check_program(layer.PROGRAM, len(built.norms()), len(built.linears()))
+        layer = family.CausalLM.LAYER
+        for index in (0, 1):    # (a mixture-of-experts family's layer 1 is dense here)
+            with torch.device("meta"):
+                built = layer(moe, index=index)
+            check_program(built.PROGRAM, len(built.norms()), len(built.linears()))
+
+
+def test_qk_norm_names_two_norms() -> None:
+    """QK_NORM i reads norms i and i + 1 (q, k): both interpreters count both."""
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+    with pytest.raises(ValueError, match="QK_NORM 1: the layer has 1 of those"):
+        check_program(((Op.INPUT_NORM, 0), (Op.QK_NORM, 1)), 2, 0)
+    check_program(((Op.INPUT_NORM, 0), (Op.QK_NORM, 1)), 3, 0)
+    cpu_kernels.load()
+    stack = torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, [int(Op.INPUT_NORM), int(Op.QK_NORM)], [0, 1])
+    stack.add_layer(torch.zeros(1), torch.zeros(1))
+    stack.add_norm(torch.ones(64), 1e-5)
+    stack.add_norm(torch.ones(16), 1e-5)
+    with pytest.raises(RuntimeError, match="its program names 3 and 0"):
+        stack.check()

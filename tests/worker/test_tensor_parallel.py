@@ -28,11 +28,11 @@ import torch
 from tests.support.runner_driver import scenario
 from tests.support.server_harness import ROOT, free_port, running_server
 from tests.support.tensor_parallel_ranks import tp_config
-from tests.support.tiny_models import make_tiny_llama, make_tiny_qwen2
+from tests.support.tiny_models import make_tiny_llama, make_tiny_phi3, make_tiny_qwen2, make_tiny_qwen3_moe
 from jitney.v1 import generation_pb2 as pb
 from jitney.worker.models.config import ModelConfig
 from jitney.worker.runner.model_runner import ModelRunner
-from jitney.worker.distributed.sharding import Shard, check_shardable, local_config, shard_tensor
+from jitney.worker.distributed.sharding import check_shardable, local_config
 
 LOGITS_ATOL = 1e-5
 
@@ -40,7 +40,8 @@ LOGITS_ATOL = 1e-5
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = tmp_path_factory.mktemp("tp")
-    return [str(make_tiny_llama(root / "llama")), str(make_tiny_qwen2(root / "qwen2"))]
+    return [str(make_tiny_llama(root / "llama")), str(make_tiny_qwen2(root / "qwen2")),
+            str(make_tiny_phi3(root / "phi3")), str(make_tiny_qwen3_moe(root / "qwen3-moe"))]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def two_ranks(models: list[str], tmp_path_factory: pytest.TempPathFactory) -> li
     return results
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["llama-gqa", "qwen2-qkv-bias-tied"])
+@pytest.mark.parametrize("which", [0, 1, 2, 3], ids=["llama-gqa", "qwen2-qkv-bias-tied",
+                                                     "phi3-fused-qkv-gate-up", "qwen3-moe-experts-split"])
 def test_two_ranks_match_one(models: list[str], two_ranks: list[dict[str, Any]], which: int) -> None:
     torch.set_num_threads(1)
     alone = json.loads(json.dumps(scenario(ModelRunner(tp_config(models[which])))))   # str keys, as the ranks'
@@ -95,24 +97,9 @@ def test_init_group_takes_one_gpu_per_rank_under_nccl(monkeypatch: pytest.Monkey
     assert backend == "nccl" and (kw["rank"], kw["world_size"], kw["init_method"]) == (3, 4, "tcp://h:1")
 
 
-def test_shards_cover_each_tensor_once() -> None:
+def test_local_config_splits_heads_and_the_mlp() -> None:
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5, rope_theta=1e4)
-    shapes = {"self_attn.q_proj": (16, 16), "self_attn.k_proj": (8, 16), "self_attn.v_proj": (8, 16),
-              "mlp.gate_proj": (24, 16), "mlp.up_proj": (24, 16), "self_attn.o_proj": (16, 16),
-              "mlp.down_proj": (16, 24)}
-    for module, shape in shapes.items():
-        for leaf in ("weight", "bias"):
-            name = f"model.layers.0.{module}.{leaf}"
-            full = torch.randn(shape if leaf == "weight" else shape[:1])
-            parts = [shard_tensor(name, full, cfg, Shard(r, 2)) for r in range(2)]
-            if module.endswith(("o_proj", "down_proj")) and leaf == "bias":   # added once: on rank 0
-                assert torch.equal(parts[0], full) and not parts[1].any()
-            else:
-                dim = 1 if module.endswith(("o_proj", "down_proj")) else 0
-                assert torch.equal(torch.cat(parts, dim=dim), full), name
-    norm = torch.randn(16)
-    assert shard_tensor("model.layers.0.input_layernorm.weight", norm, cfg, Shard(1, 2)) is norm
     assert (local_config(cfg, 2).num_heads, local_config(cfg, 2).num_kv_heads,
             local_config(cfg, 2).intermediate_size) == (2, 1, 12)
     with pytest.raises(ValueError, match=r"KV heads \(2\).*divisible by 4"):

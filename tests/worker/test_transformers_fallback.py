@@ -93,14 +93,14 @@ def test_unregistered_causal_lms_go_to_transformers_and_llama_stays_native(model
         assert rebuilt == {**hf.to_dict(), "_name_or_path": ""}
     llama_hf = hf_config("llama", architectures=["LlamaForCausalLM"])
     assert registry.family_for(llama_hf) is llama
+    # Gemma 2 (windows, soft caps) is a native family, not the fallback's to refuse
+    assert registry.family_for(hf_config("gemma2", architectures=["Gemma2ForCausalLM"])).__name__.endswith(".gemma")
 
 
 @pytest.mark.parametrize(("kind", "kwargs", "said"), [
     ("t5", {"architectures": ["T5ForConditionalGeneration"]}, "encoder-decoder"),
     ("mamba", {"architectures": ["MambaForCausalLM"]}, "layers of type linear_attention"),
     ("jamba", {"architectures": ["JambaForCausalLM"]}, "layers of type linear_attention"),
-    ("gemma2", {"architectures": ["Gemma2ForCausalLM"]}, "sliding-window attention (4096 of 8192"),
-    ("gemma2", {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8192}, "soft-capping"),
     ("starcoder2", {"architectures": ["Starcoder2ForCausalLM"], "sliding_window": 512,
                     "max_position_embeddings": 4096}, "sliding-window attention (512 of 4096"),
     ("gpt2", {"architectures": ["GPT2LMHeadModel"]}, "only *ForCausalLM"),

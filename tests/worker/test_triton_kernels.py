@@ -204,10 +204,12 @@ from jitney.worker.kernels.triton.cache import _write_kv_kernel as write
 
 for arch in (80, 90):
     for dt in ("bf16", "fp16", "fp32"):
-        for flat in (False, True):  # the runner's block tables are int32
-            build(attn, [f"*{dt}"] * 4 + ["*i64", "*i64", "*i32", "*i64", "*i64"] + ["fp32"] + ["i32"] * 9,
+        # the runner's block tables are int32; features: window, soft cap and sinks all on
+        for flat, features in ((False, False), (True, False), (False, True)):
+            build(attn, [f"*{dt}"] * 4 + ["*i64", "*i64", "*i32", "*i64", "*i64", "*fp32"] + ["fp32"] * 2
+                  + ["i32"] * 10,
                   dict(G=3, GP=4, HEAD_DIM=128, HEAD_P=128, BLOCK_Q=16, BLOCK_N=64, F32_DOT=dt == "fp32",
-                       FLAT=flat), arch)
+                       FLAT=flat, WINDOW=features, SOFTCAP=features, SINKS=features), arch)
         build(write, [f"*{dt}"] * 4 + ["*i64"] + ["i32"] * 6, dict(NUM_HEADS=3, HEADS_P=4, HEAD_DIM=64, HEAD_P=64), arch)
 print("compiled")
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from jitney.common.model_files import load_tokenizer, resolve_model
 from jitney.worker.loading import loader
@@ -46,7 +47,7 @@ def test_the_default_gguf_model_loads_bit_for_bit_from_the_cache(tmp_path: Path)
     assert cache.read(files, torch.bfloat16) is None
     fresh, facts = load_model(None, torch.bfloat16, CPU, weights_cache=cache)   # converts, writes
     cached = cache.read(files, torch.bfloat16)
-    assert cached is not None and cached.state is not None and cached.facts == facts
+    assert cached is not None and cached.weights is not None and cached.facts == facts
     started = time.perf_counter()
     again, facts_again = load_model(None, torch.bfloat16, CPU, weights_cache=cache)
     print(f"\nload from the cache: {time.perf_counter() - started:.2f} s")
@@ -107,7 +108,8 @@ def test_round_trip_and_eviction_keep_the_newest_entries(tmp_path: Path) -> None
         time.sleep(0.01)   # distinct modification times
     got = cache.read(written[-1], torch.bfloat16)
     assert got is not None and got.config == config and got.facts == facts
-    assert got.state is not None and torch.equal(got.state["w"], state["w"])
+    assert got.weights is not None
+    assert torch.equal(load_file(str(got.weights))["w"], state["w"])
     assert cache.read(written[0], torch.bfloat16) is None   # evicted
     assert len([p for p in cache.root.iterdir() if p.is_dir()]) == KEEP_ENTRIES
 

@@ -13,6 +13,16 @@ batch, grouped by sequence, decodes first:
     # [num_decodes, B)          -> prefill chunks: any number of query tokens
     # for sequence i: tokens [query_start_loc[i], query_start_loc[i+1]) are its
     # queries, at positions [seq_lens[i] - query_len_i, seq_lens[i])
+
+Every backend's ``attend`` takes three optional features of a layer (None: off):
+
+    # window   a query at position p sees keys [p - window + 1, p] (transformers'
+    #          sliding_window); a sequence's blocks wholly before its first
+    #          query's window are not read, nor their block-table entries
+    # softcap  scores s = scale q.k become softcap * tanh(s / softcap) (Gemma 2)
+    # sinks    (nh,) float32, a logit per query head in the softmax's denominator
+    #          with no value (gpt-oss): out = sum_j e^(s_j - m) v_j / (e^(sink - m)
+    #          + sum_j e^(s_j - m))
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from jitney.worker.kernels.cpu import ops as cpu_kernels
+from jitney.worker.attention.features import capped_softmax_attention, check_features, first_window_block
 from jitney.worker.attention.kv_cache import BlockShapes, CacheGeometry, token_major
 
 
@@ -237,20 +248,27 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``query (T, nh, d)`` over the cache -> ``(T, nh, d)``.
 
-        Called after ``write_kv``, so each token sees its own K/V.
+        Called after ``write_kv``, so each token sees its own K/V. ``window``,
+        ``softcap``, ``sinks``: the module docstring's features (None: off); a
+        backend raises ``ValueError`` for one it cannot honour.
         """
 
 
 def gqa_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention without copying K/V per query head.
 
     query (B, Tq, nh, d); key, value (B, L, kvh, d); mask (B, Tq, L) bool,
-    True = may attend. Returns (B, Tq, nh, d).
+    True = may attend; sinks (nh,). Returns (B, Tq, nh, d).
 
     The g = nh // kvh query heads that share a kv head are folded into the
     query-length axis, so one plain SDPA call serves them all.
@@ -262,20 +280,49 @@ def gqa_attention(
     k = key.transpose(1, 2)  # (B, kvh, L, d)
     v = value.transpose(1, 2)
     m = mask.repeat_interleave(g, dim=1).unsqueeze(1)  # (B, 1, Tq*g, L)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)  # (B, kvh, Tq*g, d)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)  # (B, kvh, Tq*g, d)
+    else:  # row t * g + r of kv head h is query head h * g + r
+        sink_rows = None if sinks is None else sinks.view(kvh, g).repeat(1, tq)
+        out = capped_softmax_attention(q, k, v, m, scale, softcap, sink_rows)
     return out.view(b, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(b, tq, nh, d)
 
 
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+                      mask: torch.Tensor, scale: float, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: query (n, nh, d), key/value (n, L, kvh, d),
     mask (n, 1, 1, L) -> (n, nh, d). The g query heads of a kv head are its rows."""
     n, nh, d = query.shape
     kvh = key.shape[2]
     q = query.view(n, kvh, nh // kvh, d)                       # (n, kvh, g, d)
-    out = F.scaled_dot_product_attention(q, key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)  # (n, kvh, g, d)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(q, key.transpose(1, 2), value.transpose(1, 2),
+                                             attn_mask=mask, scale=scale)  # (n, kvh, g, d)
+    else:
+        sink_rows = None if sinks is None else sinks.view(kvh, nh // kvh)
+        out = capped_softmax_attention(q, key.transpose(1, 2), value.transpose(1, 2), mask, scale, softcap, sink_rows)
     return out.reshape(n, nh, d)
+
+
+def _windowed_group(group: DecodeGroup, meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group's blocks from each sequence's first window block on, and their mask.
+
+    Returns tables (n, width) (columns past a sequence's last block: 0, masked)
+    and mask (n, 1, 1, width * block_size), True where a key is in the window.
+    """
+    bs, device = meta.block_size, meta.block_tables.device
+    lens = meta.seq_lens_host[group.start:group.end]
+    firsts = [first_window_block(s, 1, window, bs) for s in lens]
+    width = max(-(-s // bs) - f for s, f in zip(lens, firsts))
+    cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # (n, width)
+    rows = meta.block_tables[group.start:group.end]
+    used = torch.tensor([-(-s // bs) for s in lens], device=device)
+    tables = torch.where(cols < used[:, None], rows.gather(1, cols.clamp(max=rows.shape[1] - 1)), 0)
+    positions = cols[:, :1] * bs + torch.arange(width * bs, device=device)  # (n, width * bs)
+    seq_lens = torch.tensor(lens, device=device)[:, None]
+    mask = (positions < seq_lens) & (positions >= seq_lens - window)
+    return tables, mask[:, None, None, :]
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -288,13 +335,24 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, tables.reshape(-1)).view(b, n * bs, kvh, d)
 
 
+@dataclass(frozen=True)
+class _Features:
+    """An ``attend`` call's window, soft cap and sinks (None: off)."""
+
+    window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+
 class TorchPagedAttention(AttentionBackend):
     """The CPU (and fallback) path in plain torch.
 
     Decodes are batched: per run of similar context length
     (``meta.decode_groups``) their blocks are gathered into one padded
     ``(n, max_len, kvh, d)`` tensor and attended in one call. Prefill chunks
-    are attended one sequence at a time.
+    are attended one sequence at a time. With a window only the window's
+    blocks are gathered; a soft cap or sinks leave SDPA for the same
+    arithmetic written out in float32 (``features.capped_softmax_attention``).
     """
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
@@ -326,14 +384,20 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        check_features(query.shape[1], query.device, window, softcap, sinks)
+        features = _Features(window, softcap, sinks)
         out = torch.empty_like(query)
         n = meta.num_decodes
         if n > 0:
-            out[:n] = self._decodes(query[:n], k_cache, v_cache, meta, scale)
+            out[:n] = self._decodes(query[:n], k_cache, v_cache, meta, scale, features)
         for i in range(n, meta.num_seqs):
             start, end = meta.query_start_loc_host[i], meta.query_start_loc_host[i + 1]
-            out[start:end] = self._prefill(query[start:end], i, k_cache, v_cache, meta, scale)
+            out[start:end] = self._prefill(query[start:end], i, k_cache, v_cache, meta, scale, features)
         return out
 
     def _decodes(
@@ -343,13 +407,20 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        features: _Features,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         for group in meta.decode_groups:
             q = query[group.start:group.end]
-            key = _gather_blocks(k_cache, group.tables)[:, :group.max_len]  # (n, L, kvh, d)
-            value = _gather_blocks(v_cache, group.tables)[:, :group.max_len]
-            out[group.start:group.end] = _decode_attention(q, key, value, group.mask, scale)
+            if features.window is None:
+                key = _gather_blocks(k_cache, group.tables)[:, :group.max_len]  # (n, L, kvh, d)
+                value = _gather_blocks(v_cache, group.tables)[:, :group.max_len]
+                mask = group.mask
+            else:  # the window's blocks only (the sequence's earlier ones may be freed)
+                tables, mask = _windowed_group(group, meta, features.window)
+                key, value = _gather_blocks(k_cache, tables), _gather_blocks(v_cache, tables)
+            out[group.start:group.end] = _decode_attention(q, key, value, mask, scale, features.softcap,
+                                                           features.sinks)
         return out  # (B, nh, d)
 
     def _prefill(
@@ -360,18 +431,23 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        features: _Features,
     ) -> torch.Tensor:
         seq_len = meta.seq_lens_host[index]
         num_queries = query.shape[0]
-        table = meta.block_tables[index, : math.ceil(seq_len / meta.block_size)]
-        key = _gather_blocks(k_cache, table[None])[0, :seq_len]  # (L, kvh, d)
-        value = _gather_blocks(v_cache, table[None])[0, :seq_len]
+        # Keys from the first block of the first query's window (block 0 without a window).
+        first = first_window_block(seq_len, num_queries, features.window, meta.block_size)
+        table = meta.block_tables[index, first : math.ceil(seq_len / meta.block_size)]
+        key = _gather_blocks(k_cache, table[None])[0, :seq_len - first * meta.block_size]  # (L, kvh, d)
+        value = _gather_blocks(v_cache, table[None])[0, :seq_len - first * meta.block_size]
         # Query i sits at position seq_len - num_queries + i: it sees keys up
-        # to and including that position (earlier chunks included).
+        # to and including that position (earlier chunks included), and in its window.
         q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
+        k_pos = torch.arange(first * meta.block_size, seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # (Tq, L)
-        out = gqa_attention(query[None], key[None], value[None], mask[None], scale)
+        if features.window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - features.window
+        out = gqa_attention(query[None], key[None], value[None], mask[None], scale, features.softcap, features.sinks)
         return out[0]  # (Tq, nh, d)
 
 
@@ -406,12 +482,12 @@ class InvariantCpuAttention(AttentionBackend):
     """The CPU's default path: ``cpu_kernels.paged_attention``.
 
     Each query token reads its own sequence's K/V blocks in place, from
-    position 0 to its own, in one fixed order (see ``csrc/attention.cpp``):
-    no gather, no padding, and the same bits for a token whatever else is in
-    the step, however its prompt was chunked, and whether it is a decode or
-    a recomputed prefill token. Its cache has the kernel's own layout
-    (``kernel_block_shapes``), written by ``write_kv`` here or by the CPU
-    layer ops' fused ``rope_and_cache``.
+    position 0 (or its window's first block) to its own, in one fixed order
+    (see ``csrc/attention.cpp``): no gather, no padding, and the same bits for
+    a token whatever else is in the step, however its prompt was chunked, and
+    whether it is a decode or a recomputed prefill token. Its cache has the
+    kernel's own layout (``kernel_block_shapes``), written by ``write_kv`` here
+    or by the CPU layer ops' fused ``rope_and_cache``.
     """
 
     def block_shapes(self, geometry: CacheGeometry) -> BlockShapes:
@@ -449,6 +525,11 @@ class InvariantCpuAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        check_features(query.shape[1], query.device, window, softcap, sinks)
         return cpu_kernels.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                           meta.query_start_loc, scale)
+                                           meta.query_start_loc, scale, window=window, softcap=softcap, sinks=sinks)

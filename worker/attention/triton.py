@@ -8,13 +8,16 @@ per group:
     # row r of a tile -> query token  tile * BLOCK_Q + r // GP
     #                    query head   kv_head * G + r % GP   (rows with r % GP >= G: padding)
     # query token i of sequence s sits at position seq_len - q_len + i and
-    # sees keys [0, that position]
+    # sees keys [0, that position] ([that position - window + 1, it] with a window)
 
 It walks the sequence's keys ``BLOCK_N`` at a time through its block table
 (each key's slot is looked up, so any block size works), with an online
 softmax in float32. Only the key tiles some query of the tile can see are
-read. No host value enters the kernel but the grid, so a decode step can be
-captured in a CUDA graph.
+read, and with a window no key (nor block-table entry) below the tile's first
+query's window: those blocks may be freed. Optionally the scores are
+soft-capped and each query head's sink logit starts the softmax's running
+maximum and sum. No host value enters the kernel but the grid, so a decode
+step can be captured in a CUDA graph.
 
 Import after setting ``TRITON_INTERPRET=1`` to run on CPU tensors.
 """
@@ -26,9 +29,11 @@ import triton
 import triton.language as tl
 
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata
+from jitney.worker.attention.features import check_features
 from jitney.worker.kernels.triton.cache import check_cache_pair, check_index, check_tokens, write_kv_cache
 
 LOG2_E = 1.4426950408889634
+_LOG2_E = tl.constexpr(LOG2_E)  # the kernels' copy (a jitted function reads constexpr globals only)
 # Rows (query tokens x padded group) per tile; tl.dot needs at least 16.
 PREFILL_ROWS = 64
 DECODE_ROWS = 16
@@ -38,14 +43,31 @@ LAUNCH: dict[str, tuple[int | None, int | None]] = {"decode": (None, None), "pre
 
 
 @triton.jit
-def _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, l_i, acc,
-                 dims, dim_ok, scale_log2, block_size, kv_head,
+def _tanh(x):
+    """tanh: the odd Taylor series to x^9 below |x| = 1/4 (where the exponential form
+    loses digits), else (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign."""
+    a = tl.abs(x)
+    x2 = x * x
+    small = x + x * x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0))))
+    e = tl.exp2(a * (-2.0 * _LOG2_E))
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(a >= 0.25, tl.where(x < 0, -big, big), small)
+
+
+@triton.jit
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end, q_pos, m_i, l_i, acc,
+                 dims, dim_ok, scale_log2, block_size, kv_head, window, softcap_log2,
                  cache_stride_block, cache_stride_slot, cache_stride_head,
-                 BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, MASKED: tl.constexpr):
+                 BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, MASKED: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One trip of the online softmax over keys [start, start + BLOCK_N); ``MASKED`` False:
-    every key is below ``kv_end`` and visible to every query row (the same arithmetic, no mask)."""
+    every key is in [kv_begin, kv_end) and visible to every query row (the same arithmetic,
+    no mask). Keys below ``kv_begin`` (``WINDOW``) are not loaded. ``SOFTCAP``: ``scale_log2``
+    is scale / softcap and the scores become softcap tanh(s) in log2 units."""
     k_pos = start + tl.arange(0, BLOCK_N)
     k_ok = k_pos < kv_end
+    if WINDOW:
+        k_ok = k_ok & (k_pos >= kv_begin)
     block = tl.load(table + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
     slot = block * cache_stride_block + (k_pos % block_size) * cache_stride_slot + kv_head * cache_stride_head
     kv_mask = k_ok[:, None] & dim_ok[None, :]
@@ -54,11 +76,15 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, 
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if MASKED:
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))  # (M, BLOCK_N), log2 units
+    if SOFTCAP:
+        s = _tanh(s * scale_log2) * softcap_log2
     else:
         s = s * scale_log2
+    if MASKED:
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))  # (M, BLOCK_N), log2 units
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row that has seen no visible key yet keeps m = -inf: shift by 0.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -76,13 +102,14 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_idx_ptr,
-    scale_log2,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_idx_ptr, sinks_ptr,
+    scale_log2, softcap_log2,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     cache_stride_block, cache_stride_slot, cache_stride_head,
-    table_stride, block_size,
+    table_stride, block_size, window,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, FLAT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     if FLAT:  # program (flat tile, kv head): the tile's sequence and index come from the tile map
@@ -111,24 +138,44 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # (M, HEAD_P)
     q_pos = first_pos + tok
 
-    m_i = tl.full([BLOCK_Q * GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GP], tl.float32)
+    if SINKS:  # the sink is the softmax's first term: e^(sink - sink) = 1 (none at -inf)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * _LOG2_E
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_Q * GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GP], tl.float32)
     acc = tl.zeros([BLOCK_Q * GP, HEAD_P], tl.float32)
     # Keys past the tile's last query position are never visible; those up to its first
-    # query's position are visible to every row: whole BLOCK_N trips of them skip the mask.
+    # query's position (and, with a window, from its last query's window on) are visible
+    # to every row: whole BLOCK_N trips of them skip the mask. Trips start at multiples of
+    # BLOCK_N whatever the tile, so a row's trips are a decode's, plus trips it sees nothing of.
     kv_end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_Q)
     full_end = ((first_pos + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        kv_begin = tl.maximum(first_pos + tile * BLOCK_Q - window + 1, 0)
+        walk_begin = (kv_begin // BLOCK_N) * BLOCK_N
+        full_begin = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+    else:
+        kv_begin = 0
+        walk_begin = 0
+        full_begin = 0
     table = block_tables_ptr + seq * table_stride
-    for start in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, l_i, acc,
-                                     dims, dim_ok, scale_log2, block_size, kv_head,
+    for start in range(walk_begin, full_begin, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end, q_pos, m_i, l_i,
+                                     acc, dims, dim_ok, scale_log2, block_size, kv_head, window, softcap_log2,
                                      cache_stride_block, cache_stride_slot, cache_stride_head,
-                                     BLOCK_N, F32_DOT, False)
+                                     BLOCK_N, F32_DOT, True, WINDOW, SOFTCAP)
+    for start in range(full_begin, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end, q_pos, m_i, l_i,
+                                     acc, dims, dim_ok, scale_log2, block_size, kv_head, window, softcap_log2,
+                                     cache_stride_block, cache_stride_slot, cache_stride_head,
+                                     BLOCK_N, F32_DOT, False, WINDOW, SOFTCAP)
     for start in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos, m_i, l_i, acc,
-                                     dims, dim_ok, scale_log2, block_size, kv_head,
+        m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end, q_pos, m_i, l_i,
+                                     acc, dims, dim_ok, scale_log2, block_size, kv_head, window, softcap_log2,
                                      cache_stride_block, cache_stride_slot, cache_stride_head,
-                                     BLOCK_N, F32_DOT, True)
+                                     BLOCK_N, F32_DOT, True, WINDOW, SOFTCAP)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + tok)[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :]
     tl.store(o_ptr + o_off, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -172,6 +219,10 @@ def paged_attention(
     check: bool = True,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     decode_rows: int = DECODE_ROWS,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch -> ``(T, nh, d)``.
 
@@ -186,8 +237,12 @@ def paged_attention(
     ``decode_rows``: query rows of a decode-only launch's tile; ``PREFILL_ROWS``
     gives decodes the prefill's tile height, so both run the same ``tl.dot``
     shapes (``--batch-invariant``).
+    ``window``, ``softcap``, ``sinks`` (nh,) float32: ``backend``'s optional
+    features (None: off); a sequence's block-table entries below its first
+    query's window are not read. Checked whatever ``check`` (layers differ in them).
     Raises ``ValueError`` on a shape, dtype, device or layout it cannot take.
     """
+    check_features(query.shape[1], query.device, window, softcap, sinks)
     if check:  # the model checks its first layer's call of a step; the others have the same shapes
         _check_attention_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if max_query_len < 1:
@@ -209,14 +264,18 @@ def paged_attention(
         block_q = max(gp, decode_rows if max_query_len == 1 else PREFILL_ROWS) // gp
         grid = (num_seqs, kvh, triton.cdiv(max_query_len, block_q))
         tile_seq = tile_idx = seq_lens  # not read
+    # With a soft cap the kernel takes tanh(s * scale / softcap) * softcap, in log2 units.
+    scale_arg, softcap_log2 = (scale * LOG2_E, 0.0) if softcap is None else (scale / softcap, softcap * LOG2_E)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tile_seq, tile_idx,
-        scale * LOG2_E,
+        seq_lens if sinks is None else sinks,  # not read without sinks
+        scale_arg, softcap_log2,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), block_size,
+        block_tables.stride(0), block_size, 0 if window is None else window,
         G=group, GP=gp, HEAD_DIM=head_dim, HEAD_P=triton.next_power_of_2(head_dim),
         BLOCK_Q=block_q, BLOCK_N=BLOCK_N, F32_DOT=_f32_dot(query.dtype), FLAT=tiles is not None,
+        WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         **_launch_options("decode" if tiles is None and max_query_len == 1 else "prefill"),
     )
     return out
@@ -267,10 +326,15 @@ class TritonPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len(meta), check=self.checking, tiles=meta.tiles, decode_rows=self.decode_rows,
+            window=window, softcap=softcap, sinks=sinks,
         )
 
 

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 from torch import nn
 
+from jitney.worker.layers.linear import NO_SHARD, QKVParallelLinear, RowParallelLinear, Shard
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache: ``qkv_proj`` (q, k, v
-    stacked by rows), ``o_proj``; ``heads`` and ``scale`` for the attention itself."""
+    stacked by rows), ``o_proj``; ``heads`` and ``scale`` for the attention itself.
+    ``num_heads`` and ``num_kv_heads`` are this tensor-parallel rank's."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 qkv_bias: bool = False, o_bias: bool = False) -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, shard: Shard = NO_SHARD,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden_size, bias=o_bias)
-        self.scale = head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias, shard=shard)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, shard=shard)
+        self.scale = scale if scale is not None else head_dim**-0.5
 
     @property
     def heads(self) -> tuple[int, int, int]:

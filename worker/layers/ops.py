@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from jitney.worker.kernels.cpu import ops as cpu_kernels
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata
+from jitney.worker.layers.rotary import Rotary
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,14 +46,22 @@ class TorchLayerOps:
 
     checking = True
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        self.inv_freq = inv_freq  # (d/2,) float32
+    def __init__(self, rotary: Rotary | torch.Tensor) -> None:
+        # (a tensor: plain inverse frequencies, (d/2,) float32)
+        self.rotary = rotary if isinstance(rotary, Rotary) else Rotary(rotary)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.rotary.inv_freq
 
     def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Per-step rotary inputs: cos, sin (T, d) in ``dtype``, computed once for all layers."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2)
+        freqs = self.rotary.freqs(positions)  # (T, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rotary.scale != 1.0:
+            cos, sin = cos * self.rotary.scale, sin * self.rotary.scale
+        return cos.to(dtype), sin.to(dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_torch(x, weight, eps)
@@ -65,6 +74,11 @@ class TorchLayerOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu (tanh approximation) of the gate times up: elementwise torch on every path."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
                        meta: AttentionMetadata, backend: AttentionBackend,
@@ -96,8 +110,8 @@ class InvariantCpuLayerOps(TorchLayerOps):
     ``rope_inputs`` stays torch's (cos, sin once per step for all layers).
     """
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        super().__init__(inv_freq)
+    def __init__(self, rotary: Rotary | torch.Tensor) -> None:
+        super().__init__(rotary)
         cpu_kernels.load()
         ops = torch.ops.jitney_cpu
         self._rms_norm = ops.rms_norm.default
@@ -132,13 +146,14 @@ class InvariantCpuLayerOps(TorchLayerOps):
 class TritonLayerOps(TorchLayerOps):
     """One fused Triton kernel per operation (CUDA, or the interpreter in tests)."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
-        super().__init__(inv_freq)
+    def __init__(self, rotary: Rotary | torch.Tensor, max_positions: int) -> None:
+        super().__init__(rotary)
         from jitney.worker.kernels.triton import fused as triton_fused
 
         self.kernels = triton_fused
-        freqs = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()  # (max_positions, d) float32
+        freqs = self.rotary.freqs(torch.arange(max_positions, device=self.rotary.inv_freq.device))
+        scale = self.rotary.scale
+        self.cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).contiguous()  # (max_positions, d)
 
     def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         return (positions,)

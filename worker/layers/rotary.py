@@ -1,4 +1,4 @@
-"""Rotary embedding frequencies, with the linear and Llama 3 scalings."""
+"""Rotary embedding frequencies, with the linear, Llama 3 and LongRoPE scalings."""
 
 from __future__ import annotations
 
@@ -10,13 +10,59 @@ import torch
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (``rope_type`` "llama3" or "linear")."""
+    """Frequency scaling: ``rope_type`` "linear", "llama3" (``factor``, the two
+    frequency factors) or "longrope" (Phi-3: a factor per frequency, ``short_factor``
+    below ``original_max_position_embeddings`` and ``long_factor`` from it on,
+    cos and sin scaled by ``attention_factor``)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """What the rotary inputs of a step are computed from: ``inv_freq`` (d/2,) float32,
+    and with LongRoPE a second set for the positions from ``switch`` on.
+
+    LongRoPE picks its set per token, by the token's own position: a step's cos and
+    sin never depend on the rest of the batch, and a cached key keeps the rotation
+    it was written with. (transformers picks one set for the whole forward, long
+    once any position reaches ``original_max_position_embeddings``: the two agree
+    while a sequence stays below it.)
+    """
+
+    inv_freq: torch.Tensor
+    long_inv_freq: torch.Tensor | None = None
+    switch: int = 0
+    scale: float = 1.0          # cos and sin multiplied by it (LongRoPE's attention factor)
+
+    def to(self, device: torch.device) -> Rotary:
+        long = self.long_inv_freq.to(device) if self.long_inv_freq is not None else None
+        return Rotary(self.inv_freq.to(device), long, self.switch, self.scale)
+
+    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T, d/2) float32 angles of ``positions (T,)``."""
+        pos = positions[:, None].float()
+        out = pos * self.inv_freq[None, :]
+        if self.long_inv_freq is not None:
+            out = torch.where(positions[:, None] >= self.switch, pos * self.long_inv_freq[None, :], out)
+        return out
+
+
+def rotary_for(head_dim: int, theta: float, scaling: RopeScaling | None) -> Rotary:
+    """The ``Rotary`` of a model's config."""
+    if scaling is not None and scaling.rope_type == "longrope":
+        base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+        short = 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32, device="cpu") * base)
+        long = 1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32, device="cpu") * base)
+        return Rotary(short, long, scaling.original_max_position_embeddings, scaling.attention_factor)
+    return Rotary(rope_inv_freq(head_dim, theta, scaling))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -24,6 +70,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "longrope":
+        raise ValueError("LongRoPE has two sets of frequencies: rotary_for builds them")
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth

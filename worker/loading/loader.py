@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,13 @@ from typing import Any
 import torch
 
 from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
-from jitney.worker.kernels.cpu import ops as cpu_kernels
-from jitney.worker.attention.backends import BackendUnavailableError
-from jitney.worker.kernels.cpu.packed import PackedLinear, pack_linears, packing_supported
+from jitney.worker.layers.linear import NO_SHARD, Loaded
+from jitney.worker.layers.linear_kernel import choose_linear_kernel
 from jitney.worker.layers.reduce import Reduce, no_reduce
 from jitney.worker.models.config import ModelConfig, ModelFacts, UnsupportedModelError
 from jitney.worker.models.registry import ServedModel, family_for, family_named
-from jitney.worker.distributed.sharding import Shard, check_shardable, local_config, read_safetensors, shard_state_dict
+from jitney.worker.distributed.sharding import Shard, check_shardable, local_config
+from jitney.worker.loading.checkpoint import drained, safetensors_tensors
 from jitney.worker.loading.weights_cache import WeightsCache
 
 logger = logging.getLogger("jitney.worker")
@@ -49,7 +50,7 @@ def source_facts(files: ModelFiles, hf: Any) -> ModelFacts:
     """The model's facts as its files state them (no ``--max-model-len`` cap)."""
     context = int(hf.max_position_embeddings)
     window = getattr(hf, "sliding_window", None)
-    if window and (hf.model_type == "mistral" or getattr(hf, "use_sliding_window", False)):
+    if window and (hf.model_type in ("mistral", "phi3") or getattr(hf, "use_sliding_window", False)):
         # Capping the context at the window makes windowed attention exact
         # without implementing it.
         context = min(context, int(window))
@@ -93,23 +94,12 @@ def _generation_config(files: ModelFiles) -> Any:
     return GenerationConfig.from_pretrained(str(files.directory), local_files_only=True)
 
 
-def load_state_dict(files: ModelFiles, hf: Any, dtype: torch.dtype, cfg: ModelConfig,
-                    shard: Shard | None = None) -> dict[str, torch.Tensor]:
-    """HF-named CPU tensors of the checkpoint (GGUF ones de-quantised to ``dtype``);
-    with ``shard``, that tensor-parallel rank's parts (``sharding.py``): a
-    safetensors folder's are read alone, a GGUF file is de-quantised whole and cut."""
-    if files.gguf_file is not None:
-        converted = _load_gguf_tensors(files.directory / files.gguf_file, hf, dtype)
-        if shard is not None and shard.size > 1:
-            shard_state_dict(converted, cfg, shard)
-        return converted
+def source_paths(files: ModelFiles) -> list[Path]:
+    """The safetensors files of a Hugging Face folder (pickled ``.bin`` files are refused)."""
     paths = sorted(files.directory.glob("*.safetensors"))
     if not paths:
         raise UnsupportedModelError(f"{files.directory} has no *.safetensors (pickled .bin files are refused)")
-    state: dict[str, torch.Tensor] = {}
-    for path in paths:
-        state.update(read_safetensors(path, cfg, shard))
-    return state
+    return paths
 
 
 class _ParameterNames:
@@ -141,64 +131,6 @@ def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, tor
     return parsed["tensors"]
 
 
-def _swap_linears(net: ServedModel, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
-                  quantization: str = "none") -> None:
-    """The linear layers and the logits' head (its own weight, or the tied
-    embedding's) through the device's kernel:
-
-    - ``quantization`` int8 (the CPU): ``cpu_kernels.Int8Linear``, int8
-      weights quantized here, batch-invariant whatever ``batch_invariant``;
-      int4: ``cpu_kernels.Int4Linear`` for the linear layers, the head int8;
-
-    - ``batch_invariant`` on CUDA: the Triton matmul (``triton_matmul.py``);
-    - ``batch_invariant`` on the CPU: ``cpu_kernels.InvariantLinear``, the head
-      with float32 output;
-    - else bf16 on the CPU: weights packed for oneDNN, whose rounding depends
-      on the number of rows; else torch's ``nn.Linear``.
-    """
-    head = net.lm_head.weight if isinstance(net.lm_head, torch.nn.Linear) else net.model.embed_tokens.weight
-    head_bias = getattr(net.lm_head, "bias", None)   # (a transformers-path model's head may have one)
-    if quantization in ("int8", "int4"):
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on the CPU only")
-        names = {"amx": "AMX-INT8", "vnni": "AVX-512 VNNI", "portable": "the portable loops"}
-        head_where = names[cpu_kernels.int8_path()]
-        if quantization == "int8":
-            count = cpu_kernels.use_int8_linears(net.model)
-            where = head_where
-        else:
-            count = cpu_kernels.use_int4_linears(net.model)
-            path = cpu_kernels.int4_path()
-            where = "AVX-512 VNNI (up to 4 rows) and AMX-INT8 (more)" if path == "amx" else names[path]
-        # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
-        # 19.0 (bench/quant_accuracy.py; README "int4 weights").
-        net.lm_head = cpu_kernels.Int8Linear(head, head_bias, out_float=True)
-        if "portable" not in where + head_where:
-            logger.info("%s weights: %d linear layers run on %s, the int8 head on %s", quantization, count, where,
-                        head_where)
-        else:
-            logger.warning("%s weights: %d linear layers run on %s, the int8 head on %s: this CPU lacks AMX-INT8 "
-                           "and AVX-512 VNNI, and the portable loops are much slower than --quantization none "
-                           "(same results)", quantization, count, where, head_where)
-    elif batch_invariant and device.type == "cuda":
-        try:
-            from jitney.worker.kernels.triton import matmul as triton_matmul
-        except ImportError as err:
-            raise BackendUnavailableError("--batch-invariant on CUDA needs the triton package "
-                                          "(pip install triton)") from err
-        count = triton_matmul.use_invariant_linears(net.model)
-        net.lm_head = triton_matmul.TritonInvariantLinear(head, head_bias)
-        logger.info("batch-invariant: %d linear layers and the head run the Triton matmul", count)
-    elif batch_invariant and cpu_kernels.supported(dtype, device):
-        count = cpu_kernels.use_invariant_linears(net.model)
-        net.lm_head = cpu_kernels.InvariantLinear(head, head_bias, out_float=True)
-        logger.info("batch-invariant: %d linear layers and the head run the CPU kernel", count)
-    elif packing_supported(dtype, device):
-        count = pack_linears(net.model)
-        net.lm_head = PackedLinear(head, head_bias)
-        logger.info("packed %d linear layers and the head for oneDNN (bf16 on the CPU)", count)
-
-
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
     *, batch_invariant: bool = False, quantization: str = "none", weights_cache: WeightsCache | None = None,
@@ -206,24 +138,27 @@ def load_model(
 ) -> tuple[ServedModel, ModelFacts]:
     """Load ``model`` (path or ``None`` = bundled default) ready to run.
 
-    ``batch_invariant`` swaps the linear layers for batch-invariant ones,
-    ``quantization`` int8 for int8 ones (``_swap_linears``). With a ``weights_cache``, the config, the facts and
+    ``batch_invariant`` and ``quantization`` choose the linears' kernel
+    (``layers/linear_kernel.py``). With a ``weights_cache``, the config, the facts and
     (for GGUF) the converted tensors come from its entry for these files and
     this dtype, and a miss writes the entry (``weights_cache.py``).
     ``shard``: a tensor-parallel rank's model (its local config and weights,
-    ``sharding.py``), whose row-parallel layers sum over the group with ``reduce``;
-    a model whose heads or MLP do not split ``shard.size`` ways raises ``ValueError``.
+    ``sharding.py``: each linear loads its own part), whose row-parallel layers sum over
+    the group with ``reduce``; a model whose heads or MLP do not split ``shard.size``
+    ways raises ``ValueError``.
     """
     started = time.perf_counter()
+    kernel = choose_linear_kernel(dtype, device, batch_invariant, quantization)
     files = resolve_model(model)
     split = shard if shard is not None and shard.size > 1 else None
-    cached = weights_cache.read(files, dtype, split) if weights_cache is not None else None
+    cached = weights_cache.read(files, dtype) if weights_cache is not None else None
+    tensors: Iterator[tuple[str, Loaded]]
     if cached is not None:
         cfg, facts = cached.config, cached.facts
         if split is not None:
             check_shardable(cfg, split.size)
         config_done = time.perf_counter()
-        state = cached.state if cached.state is not None else load_state_dict(files, None, dtype, cfg, split)
+        tensors = safetensors_tensors([cached.weights] if cached.weights is not None else source_paths(files))
         source = f"weights cache {weights_cache.root if weights_cache else ''}"
     else:
         hf = load_hf_config(files)
@@ -232,30 +167,29 @@ def load_model(
         if split is not None:
             check_shardable(cfg, split.size)
         config_done = time.perf_counter()
-        # The cache keeps whole tensors: a GGUF rank converts all of it before cutting its part.
-        state = load_state_dict(files, hf, dtype, cfg, None if files.gguf_file is not None else split)
         source = "source files"
+        if files.gguf_file is not None:
+            # The cache keeps whole tensors: a GGUF rank converts all of it; its linears take their parts.
+            state = _load_gguf_tensors(files.directory / files.gguf_file, hf, dtype)
+            tensors = drained(state)
+        else:
+            state, tensors = None, safetensors_tensors(source_paths(files))
         if weights_cache is not None:
-            kept = state if files.gguf_file is not None else None
-            written = weights_cache.write(files, dtype, cfg, facts, kept)
+            written = weights_cache.write(files, dtype, cfg, facts, state)
             if written is not None:
                 logger.info("wrote the converted model to the weights cache (%s)", written)
-        if split is not None and files.gguf_file is not None:
-            shard_state_dict(state, cfg, split)
     facts = cap_context(facts, max_model_len)
     read_done = time.perf_counter()
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # some checkpoints store the tied copy
-    state.pop("model.rotary_emb.inv_freq", None)  # old checkpoints saved the buffer
+    skip = {"model.rotary_emb.inv_freq"} | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     with torch.device("meta"):
         net = family_named(cfg.family).CausalLM(local_config(cfg, split.size) if split is not None else cfg,
-                                                reduce=reduce)
-    net.load_weights(state, dtype, device)
-    _swap_linears(net, dtype, device, batch_invariant, quantization)
-    if state:
-        logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(state)[:8]))
+                                                reduce=reduce, shard=split or NO_SHARD, kernel=kernel)
+    # (old checkpoints saved the rotary buffer; some store the tied head's copy)
+    unused = net.load_weights(((n, t) for n, t in tensors if n not in skip), dtype, device)
+    if unused:
+        logger.warning("unused checkpoint tensors: %s", ", ".join(sorted(unused)[:8]))
     logger.info(
-        "loaded %s (%s, %s%s) from %s: config %.2fs, weights read %.2fs, placed %.2fs",
+        "loaded %s (%s, %s%s) from %s: config %.2fs, GGUF conversion %.2fs, weights read and placed %.2fs",
         facts.name, dtype, device, f", rank {split.rank} of {split.size}" if split else "", source, config_done - started, read_done - config_done,
         time.perf_counter() - read_done,
     )

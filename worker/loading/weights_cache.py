@@ -45,7 +45,6 @@ import torch
 from jitney.common.model_files import ModelFiles, keep_newest, publish_entry
 from jitney.worker.layers.rotary import RopeScaling
 from jitney.worker.models.config import ModelConfig, ModelFacts
-from jitney.worker.distributed.sharding import Shard, read_safetensors
 
 logger = logging.getLogger("jitney.worker")
 
@@ -61,7 +60,7 @@ CODE_FILES = (Path(__file__).parent / "loader.py", Path(__file__))
 class CachedModel:
     config: ModelConfig
     facts: ModelFacts                       # before --max-model-len caps the context
-    state: dict[str, torch.Tensor] | None   # None: read the source's safetensors
+    weights: Path | None                    # the converted tensors; None: read the source's safetensors
 
 
 def source_files(files: ModelFiles) -> list[Path]:
@@ -98,9 +97,9 @@ class WeightsCache:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def read(self, files: ModelFiles, dtype: torch.dtype, shard: Shard | None = None) -> CachedModel | None:
-        """The entry of these files and dtype, or None; ``shard``: read only that
-        tensor-parallel rank's parts of the converted tensors (``sharding.py``)."""
+    def read(self, files: ModelFiles, dtype: torch.dtype) -> CachedModel | None:
+        """The entry of these files and dtype, or None. Its tensors are read by the
+        load, each rank its own parts (``loading/checkpoint.py``); here only their header."""
         folder = self.root / entry_key(files, dtype)
         if not (folder / META_FILE).is_file():
             return None
@@ -110,16 +109,20 @@ class WeightsCache:
             facts = ModelFacts(meta["facts"]["name"], int(meta["facts"]["vocab_size"]),
                           int(meta["facts"]["context_length"]),
                           tuple(int(t) for t in meta["facts"]["eos_token_ids"]))
-            state = None
+            weights = None
             if meta["has_weights"]:
-                state = read_safetensors(folder / WEIGHTS_FILE, config, shard)
+                from safetensors import safe_open
+
+                weights = folder / WEIGHTS_FILE
+                with safe_open(str(weights), framework="pt", device="cpu") as f:   # a damaged header raises
+                    f.keys()
         except Exception as err:   # a damaged entry: drop it, load from the source
             logger.warning("weights cache entry %s is unreadable (%s: %s); removing it and loading "
                            "from the source", folder, type(err).__name__, err)
             shutil.rmtree(folder, ignore_errors=True)
             return None
         os.utime(folder)   # most recently used
-        return CachedModel(config, facts, state)
+        return CachedModel(config, facts, weights)
 
     def write(self, files: ModelFiles, dtype: torch.dtype, config: ModelConfig, facts: ModelFacts,
               state: dict[str, torch.Tensor] | None) -> Path | None:
@@ -153,4 +156,8 @@ def _config_to_json(config: ModelConfig) -> dict[str, Any]:
 
 def _config_from_json(data: dict[str, Any]) -> ModelConfig:
     rope = data.pop("rope_scaling", None)
+    if rope is not None:   # JSON lists back to the dataclass's tuples
+        rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
+    data["dense_layers"] = tuple(data.get("dense_layers", ()))
+    data["layer_types"] = tuple(data.get("layer_types", ()))
     return ModelConfig(**data, rope_scaling=RopeScaling(**rope) if rope is not None else None)

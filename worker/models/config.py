@@ -3,6 +3,8 @@ its rotary scaling, and the facts the scheduler needs (``ModelFacts``)."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,24 @@ class ModelConfig:
     # The transformers fallback (family "transformers"): the Hugging Face config as JSON,
     # from which it builds transformers' model; "" for the native families.
     hf_config: str = ""
+    # A mixture of experts (``layers/moe.py``): E experts of ``moe_intermediate_size``,
+    # ``experts_per_token`` of them per token; ``dense_layers`` keep a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    # Per-layer attention (Gemma): each layer's type ("full_attention" or
+    # "sliding_attention", which sees the last ``sliding_window`` keys), the scores'
+    # and the final logits' soft caps (0: none), the attention scale (0: head_dim^-0.5),
+    # and the sliding layers' own rotary base.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    attn_scale: float = 0.0
+    local_rope_theta: float = 0.0
+    qk_norm: bool = False    # per-head q/k norms (Gemma 3; Qwen3's family always has them)
 
 
 @dataclass(frozen=True)
@@ -69,4 +89,20 @@ def rope_from_hf(hf: Any) -> tuple[float, RopeScaling | None]:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "longrope":
+        return theta, _longrope(hf, params)
+    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope)")
+
+
+def _longrope(hf: Any, params: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults: ``factor`` from the two context
+    lengths, and the attention factor sqrt(1 + ln(factor) / ln(original)) unless given."""
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
+    factor = float(params.get("factor") or hf.max_position_embeddings / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention))

@@ -10,17 +10,20 @@ through ``layer_ops``: C++ kernels on the CPU's batch-invariant path
 Triton kernels with the Triton attention backend.
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
-fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``; ``STACKED`` names
+the checkpoint tensors they load from, ``models/weights.py``).
 
-Tensor parallelism (``sharding.py``): a rank's model is built from its
-local config (its heads, its share of the MLP) and a ``reduce`` that sums a
-row-parallel output over the ranks (an all-reduce); it is called after
-o_proj and after down_proj, and is the identity without a group.
+Tensor parallelism: a rank's model is built from its local config (its
+heads, its share of the MLP, ``sharding.local_config``), its ``Shard`` (each
+linear loads its own part of a checkpoint tensor, ``layers/linear.py``) and a
+``reduce`` that sums a row-parallel output over the ranks (an all-reduce); it
+is called after o_proj and after down_proj, and is the identity without a group.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -30,14 +33,17 @@ from torch import nn
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
 from jitney.worker.attention.kv_cache import PagedKVCache
 from jitney.worker.layers.attention import Attention
+from jitney.worker.layers.linear import NO_SHARD, Loaded, Shard
+from jitney.worker.layers.linear_kernel import LinearKernel
 from jitney.worker.layers.mlp import MLP
 from jitney.worker.layers.norm import RMSNorm
 from jitney.worker.layers import program
 from jitney.worker.layers.ops import InvariantCpuLayerOps, TorchLayerOps
 from jitney.worker.layers.program import Op, Program, check_program
 from jitney.worker.layers.reduce import Reduce, no_reduce
-from jitney.worker.layers.rotary import rope_inv_freq
+from jitney.worker.layers.rotary import rotary_for
 from jitney.worker.models.config import ModelConfig, UnsupportedModelError, rope_from_hf
+from jitney.worker.models.weights import Stacked, load_checkpoint
 
 
 # The Hugging Face architectures this file runs (models/registry.py), and their model types
@@ -45,9 +51,16 @@ from jitney.worker.models.config import ModelConfig, UnsupportedModelError, rope
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
+# The checkpoint tensors the fused layers load from, and which part of each they are.
+STACKED: Stacked = (
+    (".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1),
+)
 
-def config_from_hf(hf: Any) -> ModelConfig:
-    """Translate a transformers config of this family, refusing what it cannot run."""
+
+def config_from_hf(hf: Any, family: str = "llama") -> ModelConfig:
+    """Translate a transformers config of this family (or of ``family``, one built on
+    it), refusing what it cannot run."""
     model_type = hf.model_type
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
@@ -70,7 +83,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type == "llama" and attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        family="llama",
+        family=family,
     )
 
 
@@ -90,16 +103,21 @@ class DecoderLayer(nn.Module):
         (Op.LINEAR, 2), (Op.SILU_MUL, 0), (Op.LINEAR, 3), (Op.REDUCE, 0),
     )
 
-    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, shard: Shard = NO_SHARD, index: int = 0) -> None:
         super().__init__()
-        self.reduce = reduce
+        self.reduce, self.shard, self.index = reduce, shard, index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
+                                   qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, shard=shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, shard=shard)
+        self.attend: dict[str, Any] = {}   # this layer's attention features (program.py's ATTEND)
+        self.add_parts(cfg)
         # run() indexes norms and linears without checks: the program is checked once, here
         check_program(self.PROGRAM, len(self.norms()), len(self.linears()))
+
+    def add_parts(self, cfg: ModelConfig) -> None:
+        """A family built on this layer adds its own parts here (before the program is checked)."""
 
     def norms(self) -> list[RMSNorm]:
         return [self.input_layernorm, self.post_attention_layernorm]
@@ -121,19 +139,20 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
         return program.run(self.PROGRAM, self.norms(), self.linears(), x, residual, rope, kv, meta, backend, ops,
-                           attn.heads, attn.scale, self.reduce)
+                           attn.heads, attn.scale, self.reduce, self.attend)
 
 
 class Decoder(nn.Module):
-    """Embedding, the layer stack and the final norm (HF's ``model.``)."""
+    """Embedding, the layer stack and the final norm (HF's ``model.``), of the family's ``layer`` class."""
 
-    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, shard: Shard = NO_SHARD,
+                 layer: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         # Given an empty weight, the embedding skips its random init: on the meta
         # device, normal_ would import sympy (~1.5 s of a restarted worker's start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, reduce, shard, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -141,17 +160,27 @@ class CausalLM(nn.Module):
     """The whole model. Build it on the meta device, then ``load_weights``.
 
     Under tensor parallelism ``cfg`` is the rank's local config
-    (``sharding.local_config``) and ``reduce`` the group's all-reduce.
+    (``sharding.local_config``), ``shard`` the rank and ``reduce`` the group's
+    all-reduce. ``kernel``: what the linears run on once loaded (``layers/linear_kernel.py``).
+    A family built on this one names its decoder layer (``LAYER``) and its fused
+    tensors (``STACKED``).
     """
 
+    LAYER: type[DecoderLayer] = DecoderLayer
+    STACKED: Stacked = STACKED
+    # Whether the CPU's C++ layer stack can hold the layers (it runs linears, norms and
+    # attention; a mixture-of-experts block runs op by op).
+    STACKABLE = True
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
-                 reduce: Reduce = no_reduce) -> None:
+                 reduce: Reduce = no_reduce, shard: Shard = NO_SHARD, kernel: LinearKernel = LinearKernel()) -> None:
         super().__init__()
         self.config = cfg
+        self.kernel = kernel
         self.backend = backend if backend is not None else TorchPagedAttention()
-        self.model = Decoder(cfg, reduce)
+        self.model = Decoder(cfg, reduce, shard, self.LAYER)
         # The elementwise work between matmuls; ``use_backend`` picks the fused ops for Triton.
-        self.ops = TorchLayerOps(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.ops = TorchLayerOps(rotary_for(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         # None: tied to the embedding (until a packed copy takes its place).
         self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
@@ -202,13 +231,14 @@ class CausalLM(nn.Module):
             return self._stack[1]
         stack = None
         layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
-        if (isinstance(self.ops, InvariantCpuLayerOps) and isinstance(self.backend, InvariantCpuAttention)
+        if (self.STACKABLE and isinstance(self.ops, InvariantCpuLayerOps)
+                and isinstance(self.backend, InvariantCpuAttention)
                 and all(layer.reduce is no_reduce for layer in layers)):
             from jitney.worker.kernels.cpu import ops as cpu_kernels
 
             attn = layers[0].self_attn
             stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                                            DecoderLayer.PROGRAM, [
+                                            layers[0].PROGRAM, [
                 ([(norm.weight, norm.eps) for norm in layer.norms()], *kv_cache.layer(i), layer.linears())
                 for i, layer in enumerate(layers)])
         self._stack = (weakref.ref(kv_cache), stack)
@@ -228,11 +258,11 @@ class CausalLM(nn.Module):
         if backend.graph_safe:
             from jitney.worker.layers.ops import TritonLayerOps
 
-            self.ops = TritonLayerOps(self.ops.inv_freq, max_positions)
+            self.ops = TritonLayerOps(self.ops.rotary, max_positions)
         elif isinstance(backend, InvariantCpuAttention):
-            self.ops = InvariantCpuLayerOps(self.ops.inv_freq)
+            self.ops = InvariantCpuLayerOps(self.ops.rotary)
         else:
-            self.ops = TorchLayerOps(self.ops.inv_freq)
+            self.ops = TorchLayerOps(self.ops.rotary)
 
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         """Float32 logits (S, vocab) at rows ``sample_indices (S,)`` of ``hidden``."""
@@ -242,40 +272,26 @@ class CausalLM(nn.Module):
             return F.linear(x, self.model.embed_tokens.weight).float()
         return self.lm_head(x).float()
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-        """Move weights from an HF-named ``state_dict`` into this model.
+    def rename(self, name: str) -> tuple[str, object] | None:
+        """A family's own checkpoint names (``models/weights.py``'s ``Rename``); none here."""
+        return None
 
-        Tensors are popped from ``state_dict`` as they are used, so the two
-        never hold the whole model twice. Raises ``ValueError`` on a missing
-        tensor or a shape mismatch.
-        """
-        for name, param in list(self.named_parameters()):
-            parts = [state_dict.pop(src).to(device=device, dtype=dtype) for src in _hf_sources(name, state_dict)]
-            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if tensor.shape != param.shape:
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            prefix, _, leaf = name.rpartition(".")
-            setattr(self.get_submodule(prefix), leaf, nn.Parameter(tensor, requires_grad=False))
-        self.ops = TorchLayerOps(self.ops.inv_freq.to(device))
+    def load_weights(self, tensors: Iterable[tuple[str, Loaded]], dtype: torch.dtype,
+                     device: torch.device) -> list[str]:
+        """Fill this model (built on the meta device) from HF-named checkpoint tensors,
+        then put its linears on its kernel. Returns the names no parameter took;
+        raises ``ValueError`` on a missing tensor or a shape mismatch."""
+        unused = load_checkpoint(self, tensors, self.STACKED, dtype, device, self.rename)
+        self.ops = TorchLayerOps(self.ops.rotary.to(device))
+        head = self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.model.embed_tokens.weight
+        kernel_head = self.kernel.apply(self.model, head)
+        if kernel_head is not None:
+            self.lm_head = kernel_head
+        if device.type == "cpu":
+            from jitney.worker.layers.moe import FusedExperts
+
+            for module in self.modules():   # the experts' own kernel (layers/moe.py), bf16 or float32
+                if isinstance(module, FusedExperts):
+                    module.use_cpu_kernel()
         self.eval()
-
-
-# Fused parameters and the HF tensors they are stacked from (in this order).
-_FUSED: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def _hf_sources(name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """The HF tensor names that make up parameter ``name``; all must exist."""
-    prefix, _, leaf = name.rpartition(".")
-    sources = [name]
-    for fused, parts in _FUSED.items():
-        if prefix.endswith(fused):
-            base = prefix[: -len(fused)]
-            sources = [f"{base}{part}.{leaf}" for part in parts]
-    missing = [s for s in sources if s not in state_dict]
-    if missing:
-        raise ValueError(f"checkpoint lacks {', '.join(missing)}")
-    return sources
+        return unused

@@ -30,13 +30,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache
+from jitney.worker.layers.linear import NO_SHARD, Loaded, Shard, whole
+from jitney.worker.layers.linear_kernel import LinearKernel
 from jitney.worker.layers.reduce import Reduce, no_reduce
 from jitney.worker.models import hf_attention, hf_weights
 from jitney.worker.models.config import ModelConfig, UnsupportedModelError
@@ -175,10 +178,11 @@ class CausalLM(nn.Module):
     Build it on the meta device, then ``load_weights`` (which also probes it)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
-                 reduce: Reduce = no_reduce) -> None:
+                 reduce: Reduce = no_reduce, shard: Shard = NO_SHARD, kernel: LinearKernel = LinearKernel()) -> None:
         super().__init__()
-        if reduce is not no_reduce:
+        if reduce is not no_reduce or shard.size > 1:
             raise UnsupportedModelError("tensor parallelism is not supported on the transformers path")
+        self.kernel = kernel
         hf = _build(_hf_config(cfg))
         self.config = cfg
         self.architecture = type(hf).__name__
@@ -231,12 +235,15 @@ class CausalLM(nn.Module):
         """No one-call C++ stack on this path: transformers' layers run one module at a time."""
         return None
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-        """Place the checkpoint's HF-named tensors (popped from ``state_dict`` as used), tie
-        the embeddings as the config says, compute the non-persistent buffers (rotary
-        frequencies), then probe the model (``_probe``). Raises ``ValueError`` on a missing
-        tensor or a shape mismatch, ``UnsupportedModelError`` when the probe fails."""
+    def load_weights(self, tensors: Iterable[tuple[str, Loaded]], dtype: torch.dtype,
+                     device: torch.device) -> list[str]:
+        """Place the checkpoint's HF-named tensors, tie the embeddings as the config says,
+        compute the non-persistent buffers (rotary frequencies), probe the model
+        (``_probe``), then put its linears on its kernel. Returns the names no parameter
+        took. Raises ``ValueError`` on a missing tensor or a shape mismatch,
+        ``UnsupportedModelError`` when the probe fails."""
         assert self._unloaded is not None, "load_weights runs once"
+        state_dict = {name: whole(loaded) for name, loaded in tensors}
         hf = self._unloaded[0]
         started = time.perf_counter()
         hf_weights.rename_checkpoint_keys(hf, state_dict)
@@ -249,10 +256,15 @@ class CausalLM(nn.Module):
             raise UnsupportedModelError(f"{self.architecture}: its output embeddings are a "
                                         f"{type(self.lm_head).__name__}, not a linear layer")
         self._probe(hf, dtype, device)
-        hf_attention.wrap_linears(self.model)     # Jitney's kernels take 2-D input (loader._swap_linears)
+        hf_attention.wrap_linears(self.model)     # Jitney's kernels take 2-D input (LinearKernel.apply)
         self._unloaded = None                     # (its lm_head would outlive a swapped head)
+        head = cast(nn.Linear, self.lm_head)
+        kernel_head = self.kernel.apply(self.model, head.weight, head.bias)
+        if kernel_head is not None:
+            self.lm_head = kernel_head
         logger.info("transformers path: %s placed and probed in %.2f s", self.architecture,
                     time.perf_counter() - started)
+        return list(state_dict)
 
     @torch.inference_mode()
     def _probe(self, hf: Any, dtype: torch.dtype, device: torch.device) -> None:

@@ -15,8 +15,9 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   micro-kernel, on an AMD EPYC without AMX, ordered K one way for 1 row,
   another for 2-3 and a third for 4 or more.)
 - ``paged_attention``: every query token walks its own sequence's cache
-  blocks from position 0 with a float32 online softmax, reading K/V where
-  they lie (no gather, no padding). Decodes and prefill chunks run the same
+  blocks from position 0 (or its sliding window's first block) with a float32
+  online softmax, reading K/V where they lie (no gather, no padding); scores
+  optionally soft-capped, and a per-head sink logit optionally in the softmax. Decodes and prefill chunks run the same
   arithmetic, so chunking, preemption and prefix-cache hits keep the bits.
 - ``silu_mul``: torch's float32 SiLU rounds a vector's tail differently
   from its body, so a row's bits could depend on where it falls; this runs
@@ -31,6 +32,10 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   integer scale per 32 inputs, exactly the int8 layer of the weights ``c * q``
   (AVX-512 VNNI from the nibbles for up to 4 rows, else int8 tiles unpacked in
   cache for the AMX kernel).
+- ``moe_experts`` (``csrc/moe.cpp``, wrapped by ``moe.InvariantMoeExperts``): a
+  mixture-of-experts layer's routed experts, each expert's gate, up and down
+  on the bf16 linear's kernels over the step's rows routed to it, a token's k
+  outputs added in top-k order in float32 and rounded once.
 
 The source is compiled once per machine with torch's C++ extension tooling
 (a C++ compiler and ninja are needed; the ``ninja`` package is a
@@ -144,17 +149,23 @@ def load() -> None:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, portable: bool = False) -> torch.Tensor:
+                    scale: float, portable: bool = False, *, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query (T, nh, d)`` over the paged caches -> ``(T, nh, d)``.
 
     Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
     ``portable``: only the scalar loops (the AVX-512 form of 16-token blocks must
     give the same bits; the tests compare them).
+    ``window``: a query at position p sees keys ``[p - window + 1, p]``; the blocks
+    wholly before the window of a sequence's first query are not read, nor their
+    block-table entries. ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)``.
+    ``sinks`` (nh,) float32: each query head's sink logit, in the softmax's
+    denominator only (-inf: none). None: off.
     """
     load()
     out: torch.Tensor = torch.ops.jitney_cpu.paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable)
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable, window, softcap, sinks)
     return out
 
 

@@ -1,12 +1,16 @@
 // Paged attention for Jitney's CPU kernels: every query token walks its own
-// sequence's cache blocks from position 0 up to its own position, with an
-// online softmax in float32: per block, scores in order, one rescale, values
-// added in key order (attention_block.h). A decode and a prefill query at the
-// same position do the same arithmetic, so chunking, preemption (recompute)
-// and prefix-cache hits give the same bits: a row's arithmetic depends only
-// on its own inputs (its token, its sequence's cache blocks, its position),
-// never on how many rows share the call, where the row sits in it or how the
-// rows are split among threads.
+// sequence's cache blocks from the first its window holds (block 0 without a
+// sliding window) up to its own position, with an online softmax in float32:
+// per block, scores in order, one rescale, values added in key order
+// (attention_block.h). Blocks wholly before a token's window are never read,
+// nor their block-table entries (they may be freed). Optional, per call: a
+// soft cap on the scores, and per query head a sink logit that joins the
+// softmax's denominator with no value (the running maximum and sum start from
+// it). A decode and a prefill query at the same position do the same
+// arithmetic, so chunking, preemption (recompute) and prefix-cache hits give
+// the same bits: a row's arithmetic depends only on its own inputs (its token,
+// its sequence's cache blocks, its position), never on how many rows share the
+// call, where the row sits in it or how the rows are split among threads.
 //
 // 16-token blocks with head_dim a multiple of 64 run the same operations in
 // AVX-512 registers (portable=True: the scalar loops; tests compare the
@@ -36,6 +40,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -52,6 +57,9 @@ using namespace jitney_cpu::attention;  // attention_block.h
 struct AttentionShape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
   float scale;
+  int64_t window;        // keys a token sees, itself included; 0: all before it
+  float softcap;         // 0: none
+  const float* sinks;    // (num_heads,) or null
 };
 
 // How far ahead a sequence's blocks are prefetched: the next one into L1, the
@@ -59,21 +67,34 @@ struct AttentionShape {
 // the hardware's prefetcher cannot guess them).
 constexpr int64_t kBlocksAhead = 3;
 
-// The blocks of its sequence that tokens [t0, t1) at positions pos0.. see: those up to the last token's.
-inline int64_t blocks_seen(int64_t t0, int64_t t1, int64_t pos0, int64_t bs) { return (pos0 + (t1 - t0) - 1) / bs + 1; }
+// The first key a token at position pos sees.
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// The blocks [first, end) of its sequence that tokens [t0, t1) at positions pos0.. see: from the
+// first token's window to the last token's position.
+struct BlockRange {
+  int64_t first, end;
+};
+inline BlockRange blocks_seen(int64_t t0, int64_t t1, int64_t pos0, int64_t bs, int64_t window) {
+  return {first_key(pos0, window) / bs, (pos0 + (t1 - t0) - 1) / bs + 1};
+}
 
 // The item a thread runs after this one (its first blocks are prefetched while
-// this one's last blocks compute): its sequence's table, how many blocks it
-// reads, its first kv head. blocks = 0: none.
+// this one's last blocks compute): its sequence's table from its first block
+// read, how many blocks it reads, its first kv head. blocks = 0: none.
 struct NextItem {
   const int64_t* table = nullptr;
   int64_t blocks = 0, h0 = 0, heads = 0;
 };
 
 // Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
-// Token t sits at position pos0 + (t - t0) and attends keys [0, position];
+// Token t sits at position pos0 + (t - t0) and attends keys [first_key, position];
 // its g query heads of kv head h are rows ((h - h0) * (t1 - t0) + t - t0) * g
-// ... + g - 1. Which heads share an item changes only the speed.
+// ... + g - 1. Which heads share an item changes only the speed. A token is
+// given only the blocks it sees, each with the same key range as in any other
+// tile, so its arithmetic is that of its decode.
 template <typename scalar_t, int64_t BS, int64_t D>
 void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0, int64_t h1,
@@ -83,10 +104,11 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
   const int64_t nq = (h1 - h0) * per_head;
   const int64_t last_pos = pos0 + (t1 - t0) - 1;
-  const int64_t blocks = blocks_seen(t0, t1, pos0, bs);
+  const BlockRange range = blocks_seen(t0, t1, pos0, bs, s.window);
+  const int64_t blocks = range.end;
   constexpr int64_t P = kPack<scalar_t>;
   // Per-thread scratch, reused across items: the query rows, their running sums, a block as
-  // float32. kt and vf need no clearing: a lane past a block's n keys is masked, never used.
+  // float32. kt and vf need no clearing: a lane outside a row's keys [j0, n) is masked, never used.
   thread_local std::vector<float> qf, acc, m, l, kt, vf;
   qf.resize(nq * d);
   acc.assign(nq * d, 0.0f);
@@ -103,15 +125,23 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         const scalar_t* src = q + offset_of(h, t, r);
         float* dst = qf.data() + row_of(h, t, r) * d;
         for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * s.scale;
+        if (s.sinks) {  // the sink is the softmax's first term: e^(sink - sink) = 1 (none at -inf)
+          const float sink = s.sinks[h * g + r];
+          m[row_of(h, t, r)] = sink;
+          l[row_of(h, t, r)] = sink == -std::numeric_limits<float>::infinity() ? 0.0f : 1.0f;
+        }
       }
     }
   }
   const int64_t run = bs * d;  // values of one (block, kv head), in K and in V
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    // The tokens that see this block: those that see only part of it one by one, then
-    // those that see all of it (the rest of the tile) in one call.
+  for (int64_t blk = range.first; blk < blocks; ++blk) {
+    // The tokens that see this block: [first, past). Those that see all of it, [whole,
+    // cut), in one call; the others, which see part of it, one by one. Past `cut` a token's
+    // window starts inside the block, past `past` after it.
     const int64_t first = std::max(t0, t0 + blk * bs - pos0);
     const int64_t whole = std::min(t1, std::max(first, t0 + (blk + 1) * bs - 1 - pos0));
+    const int64_t cut = s.window > 0 ? std::min(t1, std::max(whole, t0 + blk * bs + s.window - pos0)) : t1;
+    const int64_t past = s.window > 0 ? std::min(t1, std::max(cut, t0 + (blk + 1) * bs + s.window - 1 - pos0)) : t1;
     for (int64_t h = h0; h < h1; ++h) {
       constexpr bool kRegisters = BS == 16 && D > 0 && D % 64 == 0;  // the AVX-512 form below
       [[maybe_unused]] SpreadPrefetch spread;
@@ -121,7 +151,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       // three). A head at a time spreads the requests over the block's work, rather
       // than all of an item's heads in one burst.
       // Past this item's last block, the thread's next item's first blocks (same head offset).
-      for (int64_t ahead = blk == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
+      for (int64_t ahead = blk == range.first ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
         int64_t next;
         if (blk + ahead < blocks) {
           next = (table[blk + ahead] * s.num_kv_heads + h) * run;
@@ -153,19 +183,23 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       const scalar_t* kb = k_cache + base;
       const scalar_t* vb = v_cache + base;
       const int64_t head_row = (h - h0) * per_head;
+      // Token t sees keys [j0, n) of the block.
+      auto one = [&](auto rows_update, int64_t t) {
+        const int64_t pos = pos0 + (t - t0);
+        rows_update(g, head_row + (t - t0) * g, std::max<int64_t>(0, first_key(pos, s.window) - blk * bs),
+                    std::min(bs, pos + 1 - blk * bs));
+      };
       auto update = [&](auto rows_update) {
-        for (int64_t t = first; t < whole; ++t) {
-          const int64_t row = head_row + (t - t0) * g;
-          rows_update(g, row, pos0 + (t - t0) + 1 - blk * bs);
-        }
-        if (whole < t1) rows_update((t1 - whole) * g, head_row + (whole - t0) * g, bs);
+        for (int64_t t = first; t < whole; ++t) one(rows_update, t);
+        if (whole < cut) rows_update((cut - whole) * g, head_row + (whole - t0) * g, 0, bs);
+        for (int64_t t = cut; t < past; ++t) one(rows_update, t);
       };
 #if defined(__AVX512F__)
       if constexpr (kRegisters) {
         auto rows16 = [&](const auto& block) {
-          update([&](int64_t rows, int64_t row, int64_t n) {
+          update([&](int64_t rows, int64_t row, int64_t j0, int64_t n) {
             block_update_rows16<D>(rows, qf.data() + row * d, block, acc.data() + row * d, m.data() + row,
-                                   l.data() + row, n, spread);
+                                   l.data() + row, j0, n, s.softcap, spread);
             spread = SpreadPrefetch{};  // asked for once
           });
         };
@@ -188,9 +222,9 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kb[((i / P) * bs + j) * P + i % P]);
         for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vb[j * d + i]);
       }
-      update([&](int64_t rows, int64_t row, int64_t n) {
+      update([&](int64_t rows, int64_t row, int64_t j0, int64_t n) {
         block_update_rows<BS, D>(rows, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
-                                 m.data() + row, l.data() + row, n, bs, d);
+                                 m.data() + row, l.data() + row, j0, n, s.softcap, bs, d);
       });
     }
   }
@@ -232,8 +266,8 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
       NextItem after;
       if (following < count) {
         const Item& nx = items[following];
-        after = {tables + nx.seq * s.table_width, blocks_seen(nx.t0, nx.t1, nx.pos0, s.block_size), nx.h0,
-                 nx.h1 - nx.h0};
+        const BlockRange range = blocks_seen(nx.t0, nx.t1, nx.pos0, s.block_size, s.window);
+        after = {tables + nx.seq * s.table_width + range.first, range.end - range.first, nx.h0, nx.h1 - nx.h0};
       }
       if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
         attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
@@ -256,10 +290,15 @@ namespace jitney_cpu {
 
 // query (T, nh, d), caches in kv_layout.h's layout -> (T, nh, d).
 // Sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1]), the
-// last of which sits at position seq_lens[i] - 1.
+// last of which sits at position seq_lens[i] - 1. window: a token at p sees
+// keys [p - window + 1, p] (transformers' sliding_window); softcap: scores s
+// become softcap tanh(s / softcap); sinks (nh,) float32: each query head's
+// sink logit (-inf: none).
 at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, bool portable) {
+                              const at::Tensor& query_start_loc, double scale, bool portable,
+                              c10::optional<int64_t> window, c10::optional<double> softcap,
+                              const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3, "query must be (T, heads, head_dim), got ", query.sizes());
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
               "query and caches differ in dtype");
@@ -270,7 +309,27 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
                   query_start_loc.scalar_type() == at::kLong,
               "block tables, lengths and starts must be int64");
   AttentionShape s{query.size(1), v_cache.size(1), query.size(2), v_cache.size(2), block_tables.size(1),
-                   static_cast<float>(scale)};
+                   static_cast<float>(scale), 0, 0.0f, nullptr};
+  if (window) {
+    TORCH_CHECK(*window >= 1, "window must be at least 1, got ", *window);
+    s.window = *window;
+  }
+  if (softcap) {
+    s.softcap = static_cast<float>(*softcap);
+    TORCH_CHECK(s.softcap > 0.0f && std::isfinite(s.softcap), "softcap must be positive and finite, got ", *softcap);
+  }
+  at::Tensor sink_values;
+  if (sinks) {
+    sink_values = sinks->contiguous();
+    TORCH_CHECK(sink_values.device().is_cpu() && sink_values.scalar_type() == at::kFloat && sink_values.dim() == 1 &&
+                    sink_values.size(0) == s.num_heads,
+                "sinks must be a float32 CPU tensor of shape (", s.num_heads, ",), got ", sink_values.scalar_type(),
+                " ", sink_values.sizes());
+    s.sinks = sink_values.data_ptr<float>();
+    for (int64_t h = 0; h < s.num_heads; ++h)
+      TORCH_CHECK(!std::isnan(s.sinks[h]) && s.sinks[h] != std::numeric_limits<float>::infinity(),
+                  "sinks must be finite or -inf, got ", s.sinks[h], " for head ", h);
+  }
   TORCH_CHECK(v_cache.size(3) == s.head_dim, "head_dim differs between query and caches");
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.block_size <= kMaxBlock && s.head_dim <= kMaxHeadDim, "block size above ", kMaxBlock,
@@ -297,7 +356,9 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
     TORCH_CHECK(t_end - t_begin <= lp[i], "sequence ", i, " has more queries than context");
     const int64_t used = (lp[i] + s.block_size - 1) / s.block_size;
     TORCH_CHECK(used <= s.table_width, "sequence ", i, " outgrows its block table");
-    for (int64_t b = 0; b < used; ++b)
+    // The entries of blocks before its first query's window are never read: they may be freed.
+    const int64_t first_read = first_key(lp[i] - (t_end - t_begin), s.window) / s.block_size;
+    for (int64_t b = first_read; b < used; ++b)
       TORCH_CHECK(tp[i * s.table_width + b] >= 0 && tp[i * s.table_width + b] < num_blocks, "sequence ", i,
                   "'s block ", tp[i * s.table_width + b], " is not in the cache of ", num_blocks, " blocks");
     const int64_t first_pos = lp[i] - (t_end - t_begin);
@@ -310,10 +371,10 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
       }
     }
   }
-  // Longest items first: the threads finish together.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    return a.pos0 + (a.t1 - a.t0) > b.pos0 + (b.t1 - b.t0);
-  });
+  // Longest items (most keys read) first: the threads finish together.
+  auto keys_read = [&s](const Item& it) { return it.pos0 + (it.t1 - it.t0) - first_key(it.pos0, s.window); };
+  std::stable_sort(items.begin(), items.end(),
+                   [&keys_read](const Item& a, const Item& b) { return keys_read(a) > keys_read(b); });
   if (q.scalar_type() == at::kBFloat16) {
     attend_items(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                  tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s, portable);

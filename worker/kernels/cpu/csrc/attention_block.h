@@ -3,6 +3,8 @@
 // 16-token blocks with head_dim a multiple of 64, which runs the same
 // operations in the same order on each lane (tested bit for bit against the
 // scalar form), and the prefetch of a later block spread over one's work.
+// A row sees the keys [j0, n) of a block: j0 > 0 where a sliding window
+// starts inside it. Scores may be soft-capped (Gemma 2): cap tanh(s / cap).
 
 #pragma once
 
@@ -43,20 +45,43 @@ inline void tree_reduce(float* v, int64_t width, Op op) {
   }
 }
 
-// One cache block for R query rows that see the same n keys of it (the heads
+// tanh(y): below |y| = 1/4 its odd Taylor series to y^9 (within an ulp),
+// where (1 - e^-2|y|) / (1 + e^-2|y|) would lose digits to the cancellation;
+// above, that form (a few ulp).
+constexpr float kTanhSmall = 0.25f;
+constexpr float kTanh3 = -1.0f / 3.0f, kTanh5 = 2.0f / 15.0f, kTanh7 = -17.0f / 315.0f, kTanh9 = 62.0f / 2835.0f;
+
+// cap * tanh(x / cap): the scores' soft cap. NaN stays NaN (the small form
+// takes it), +-inf gives +-cap.
+__attribute__((always_inline)) inline float soft_cap(float x, float cap) {
+  const float y = x / cap;
+  const float a = std::fabs(y);
+  const float y2 = y * y;
+  float p = kTanh9;
+  p = fmaf(p, y2, kTanh7);
+  p = fmaf(p, y2, kTanh5);
+  p = fmaf(p, y2, kTanh3);
+  const float small = fmaf(y * y2, p, y);
+  const float e = exp_nonpositive(-2.0f * a);
+  const float big = std::copysign((1.0f - e) / (1.0f + e), y);
+  return cap * (a >= kTanhSmall ? big : small);
+}
+
+// One cache block for R query rows that see the same keys [j0, n) of it (the heads
 // of one token that share this kv head). Per row, in this order:
 //   score[j] = sum over i of q[i] * k[j][i], as four partial sums (i mod 4)
 //              added (0 + 1) + (2 + 3);
-//   m' = max(m, score[0..n)), w[j] = e^(score[j] - m') (0 past n),
+//   score[j] = soft_cap(score[j], cap) where cap > 0;
+//   m' = max(m, score[j0..n)), w[j] = e^(score[j] - m') (0 outside [j0, n)),
 //   l = l e^(m - m') + tree sum of w over the block's lanes,
-//   acc = acc e^(m - m') + sum over j < n, in order, of w[j] v[j].
+//   acc = acc e^(m - m') + sum over j in [j0, n), in order, of w[j] v[j].
 // Rows never mix: grouping them only lets the CPU overlap their chains, so a
 // row's bits are the same alone or grouped. BS, D: compile-time block size
 // and head_dim, or 0 for runtime values (up to kMaxBlock, kMaxHeadDim).
 template <int64_t R, int64_t BS, int64_t D>
 inline void block_update(const float* __restrict__ q, const float* __restrict__ kt, const float* __restrict__ vf,
-                         float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t n,
-                         int64_t bs_runtime, int64_t d_runtime) {
+                         float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l, int64_t j0,
+                         int64_t n, float cap, int64_t bs_runtime, int64_t d_runtime) {
   constexpr int64_t kB = BS > 0 ? BS : kMaxBlock;
   const int64_t bs = BS > 0 ? BS : bs_runtime;
   const int64_t d = D > 0 ? D : d_runtime;
@@ -87,12 +112,15 @@ inline void block_update(const float* __restrict__ q, const float* __restrict__ 
   for (int64_t r = 0; r < R; ++r) {
     float sc[kB];
     for (int64_t j = 0; j < bs; ++j) sc[j] = (part[r][0][j] + part[r][1][j]) + (part[r][2][j] + part[r][3][j]);
+    if (cap > 0.0f)
+      for (int64_t j = 0; j < bs; ++j) sc[j] = soft_cap(sc[j], cap);
     float peak[kB];  // the block's maximum (any order gives the same maximum)
-    for (int64_t j = 0; j < bs; ++j) peak[j] = j < n ? sc[j] : -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < bs; ++j)
+      peak[j] = j >= j0 && j < n ? sc[j] : -std::numeric_limits<float>::infinity();
     tree_reduce<BS>(peak, bs, [](float a, float b) { return std::max(a, b); });
     const float m_new = std::max(m[r], peak[0]);
     correction[r] = exp_nonpositive(m[r] - m_new);
-    for (int64_t j = 0; j < bs; ++j) w[r][j] = j < n ? exp_nonpositive(sc[j] - m_new) : 0.0f;
+    for (int64_t j = 0; j < bs; ++j) w[r][j] = j >= j0 && j < n ? exp_nonpositive(sc[j] - m_new) : 0.0f;
     float tree[kB];
     for (int64_t j = 0; j < bs; ++j) tree[j] = w[r][j];
     tree_reduce<BS>(tree, bs, [](float a, float b) { return a + b; });  // the same tree for every row
@@ -103,7 +131,7 @@ inline void block_update(const float* __restrict__ q, const float* __restrict__ 
     float* a = acc + r * d;
     for (int64_t c = 0; c < d; ++c) a[c] *= correction[r];
   }
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = j0; j < n; ++j) {
     const float* vj = vf + j * d;
 #pragma GCC unroll 4
     for (int64_t r = 0; r < R; ++r) {
@@ -149,6 +177,26 @@ __attribute__((always_inline)) inline float tree_reduce16(__m512 v, Op op) {
   return _mm512_cvtss_f32(v);
 }
 
+// soft_cap on 16 lanes: the same IEEE operations in the same order.
+__attribute__((always_inline)) inline __m512 soft_cap16(__m512 x, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 y = _mm512_div_ps(x, c);
+  const __m512 a = _mm512_andnot_ps(sign, y);
+  const __m512 y2 = _mm512_mul_ps(y, y);
+  __m512 p = _mm512_set1_ps(kTanh9);
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(kTanh7));
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(kTanh5));
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(kTanh3));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(y, y2), p, y);
+  const __m512 e = exp_nonpositive16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), a));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  // (1 - e) / (1 + e) >= 0: copysign is an OR of y's sign bit.
+  const __m512 big = _mm512_or_ps(_mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)), _mm512_and_ps(sign, y));
+  const __mmask16 large = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kTanhSmall), _CMP_GE_OQ);  // NaN: small
+  return _mm512_mul_ps(c, _mm512_mask_blend_ps(large, small, big));
+}
+
 // Where block_update16 reads a 16-token block of one kv head: k(i) is dim i
 // of the 16 keys (lanes: keys), v(j, c) columns [c, c + 16) of value j, both
 // float32. FloatBlock: float32 arrays kt (D, 16) and vf (16, D), which is
@@ -182,7 +230,7 @@ struct Bf16Block {
 // order, on each lane (tested bit for bit against the scalar form).
 template <int64_t R, int64_t D, typename Block>
 inline void block_update16(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
-                           float* __restrict__ m, float* __restrict__ l, int64_t n,
+                           float* __restrict__ m, float* __restrict__ l, int64_t j0, int64_t n, float cap,
                            const SpreadPrefetch& ahead = SpreadPrefetch{}) {
   static_assert(D % 64 == 0 && R >= 1 && R <= 6, "16-lane form");
   __m512 part[R][4];
@@ -201,13 +249,21 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
       for (int64_t r = 0; r < R; ++r) part[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + i + k]), krow, part[r][k]);
     }
   }
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);  // n in [1, 16]
+  const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << j0) - 1u));  // 0 <= j0 < n <= 16
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float w[R][16];
   float correction[R];
+  __m512 scores[R];
+  #pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r)
+    scores[r] = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
+  if (cap > 0.0f) {  // apart, so that the softmax's loop over the rows has no branch
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) scores[r] = soft_cap16(scores[r], cap);
+  }
   #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
-    const __m512 sc = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
+    const __m512 sc = scores[r];
     // std::max(a, b) is (a < b ? b : a), which is MAXPS(b, a), NaN and signed zeros included.
     const float peak = tree_reduce16(_mm512_mask_blend_ps(valid, ninf, sc),
                                      [](__m512 a, __m512 b) { return _mm512_max_ps(b, a); });
@@ -227,7 +283,8 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
       #pragma GCC unroll 16
       for (int64_t v = 0; v < kVec; ++v)
         a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c + 16 * v), _mm512_set1_ps(correction[r]));
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < j0; ++j) ahead.v_part(c / 64 * 16 + j, D / 4);
+    for (int64_t j = j0; j < n; ++j) {
       ahead.v_part(c / 64 * 16 + j, D / 4);
       __m512 vj[kVec];
       #pragma GCC unroll 16
@@ -248,25 +305,25 @@ inline void block_update16(const float* __restrict__ q, const Block& blk, float*
 }
 #endif
 
-// ``rows`` consecutive query rows that all see n keys of the block. The
+// ``rows`` consecutive query rows that all see the keys [j0, n) of the block. The
 // AVX-512 form takes up to 6 rows a call (two tokens of three heads, say):
 // independent rows overlap each other's dependency chains (the softmax's
 // reductions and exp); the scalar form takes 4. Rows never mix either way.
 #if defined(__AVX512F__)
 template <int64_t D, typename Block>
-void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t n,
-                         const SpreadPrefetch& ahead) {
+void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t j0,
+                         int64_t n, float cap, const SpreadPrefetch& ahead) {
   for (int64_t r0 = 0; r0 < rows; r0 += 6) {
     const float* qr = q + r0 * D;
     float* ar = acc + r0 * D;
     const SpreadPrefetch& pf = r0 == 0 ? ahead : SpreadPrefetch{};
     switch (std::min<int64_t>(6, rows - r0)) {
-      case 6: block_update16<6, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
-      case 5: block_update16<5, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
-      case 4: block_update16<4, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
-      case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
-      case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
-      default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, n, pf); break;
+      case 6: block_update16<6, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 5: block_update16<5, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 4: block_update16<4, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
     }
   }
 }
@@ -274,16 +331,16 @@ void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* 
 
 template <int64_t BS, int64_t D>
 void block_update_rows(int64_t rows, const float* q, const float* kt, const float* vf, float* acc, float* m, float* l,
-                       int64_t n, int64_t bs, int64_t d) {
+                       int64_t j0, int64_t n, float cap, int64_t bs, int64_t d) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     const int64_t r = std::min<int64_t>(4, rows - r0);
     const float* qr = q + r0 * d;
     float* ar = acc + r0 * d;
     switch (r) {
-      case 4: block_update<4, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
-      case 3: block_update<3, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
-      case 2: block_update<2, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
-      default: block_update<1, BS, D>(qr, kt, vf, ar, m + r0, l + r0, n, bs, d); break;
+      case 4: block_update<4, BS, D>(qr, kt, vf, ar, m + r0, l + r0, j0, n, cap, bs, d); break;
+      case 3: block_update<3, BS, D>(qr, kt, vf, ar, m + r0, l + r0, j0, n, cap, bs, d); break;
+      case 2: block_update<2, BS, D>(qr, kt, vf, ar, m + r0, l + r0, j0, n, cap, bs, d); break;
+      default: block_update<1, BS, D>(qr, kt, vf, ar, m + r0, l + r0, j0, n, cap, bs, d); break;
     }
   }
 }

@@ -16,6 +16,7 @@
 //   SILU_MUL      silu_mul
 //   REDUCE        the identity: the stack is built only without tensor parallelism,
 //                 whose all-reduce is Python's
+//   QK_NORM i     rms_norm of each q head (norms[i]) and k head (norms[i + 1]), as program.qk_norm
 //
 // From Python those are ~270 op calls a step (30 layers), each paying the
 // dispatcher's Python binding and the layer's Python around it. The stack holds
@@ -26,6 +27,7 @@
 // jitney_cpu's one TORCH_LIBRARY).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -47,6 +49,7 @@ enum class Op : int64_t {
   kAddNorm = 4,
   kSiluMul = 5,
   kReduce = 6,
+  kQkNorm = 7,
 };
 
 // What a linear layer's weights are (worker/kernels/cpu/ops.py's classes).
@@ -108,12 +111,13 @@ class LayerStack : public torch::CustomClassHolder {
     TORCH_CHECK(ops.size() == indices.size() && !ops.empty(), "a program is (op, index) steps, at least one");
     TORCH_CHECK(ops[0] == static_cast<int64_t>(Op::kInputNorm), "a layer program starts with INPUT_NORM");
     for (size_t i = 0; i < ops.size(); ++i) {
-      TORCH_CHECK(ops[i] >= 0 && ops[i] <= static_cast<int64_t>(Op::kReduce), "unknown layer op ", ops[i]);
+      TORCH_CHECK(ops[i] >= 0 && ops[i] <= static_cast<int64_t>(Op::kQkNorm), "unknown layer op ", ops[i]);
       TORCH_CHECK(indices[i] >= 0, "step ", i, ": a negative index");
       program_.push_back(Step{static_cast<Op>(ops[i]), indices[i]});
     }
     for (const Step& s : program_) {
       if (s.op == Op::kInputNorm || s.op == Op::kAddNorm) norms_ = std::max(norms_, s.index + 1);
+      if (s.op == Op::kQkNorm) norms_ = std::max(norms_, s.index + 2);
       if (s.op == Op::kLinear) linears_ = std::max(linears_, s.index + 1);
     }
   }
@@ -206,6 +210,9 @@ class LayerStack : public torch::CustomClassHolder {
             break;
           case Op::kReduce:
             break;
+          case Op::kQkNorm:
+            h = qk_norm(h, layer.norms[step.index], layer.norms[step.index + 1], tokens);
+            break;
         }
       }
     }
@@ -213,6 +220,14 @@ class LayerStack : public torch::CustomClassHolder {
   }
 
  private:
+  at::Tensor qk_norm(const at::Tensor& qkv, const Norm& q_norm, const Norm& k_norm, int64_t tokens) const {
+    at::Tensor q = jitney_cpu::rms_norm_op(qkv.narrow(1, 0, nh_ * d_).reshape({tokens * nh_, d_}), q_norm.weight,
+                                           q_norm.eps);
+    at::Tensor k = jitney_cpu::rms_norm_op(qkv.narrow(1, nh_ * d_, kvh_ * d_).reshape({tokens * kvh_, d_}),
+                                           k_norm.weight, k_norm.eps);
+    return at::cat({q.view({tokens, -1}), k.view({tokens, -1}), qkv.narrow(1, (nh_ + kvh_) * d_, kvh_ * d_)}, 1);
+  }
+
   bool complete(const Layer& layer) const {
     return static_cast<int64_t>(layer.norms.size()) == norms_ && static_cast<int64_t>(layer.linears.size()) == linears_;
   }

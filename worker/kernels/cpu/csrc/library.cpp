@@ -23,7 +23,8 @@ TORCH_LIBRARY(jitney_cpu, m) {
         "bool portable=False) -> Tensor", &linear_silu_mul_op);
   // attention.cpp
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, bool portable=False) -> Tensor", &paged_attention_op);
+        "Tensor query_start_loc, float scale, bool portable=False, int? window=None, float? softcap=None, "
+        "Tensor? sinks=None) -> Tensor", &paged_attention_op);
   // elementwise.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_op);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_op);
@@ -44,4 +45,9 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("int4_path() -> str", &int4_path_op);
   m.def("linear_int4(Tensor x, Tensor q4, Tensor cv, Tensor scale, Tensor? bias, int in_features, int out_features, "
         "bool out_float, bool portable=False) -> Tensor", &linear_int4_op);
+  // moe.cpp
+  m.def("pack_moe_weight(Tensor weight) -> Tensor", &pack_moe_weight_op);
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, Tensor up, Tensor down, "
+        "Tensor? gate_bias, Tensor? up_bias, Tensor? down_bias, int hidden, int intermediate, str activation, "
+        "float alpha, float limit, bool out_float, bool portable=False) -> Tensor", &moe_experts_op);
 }

@@ -275,6 +275,17 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& packed, int64_t in
 
 namespace jitney_cpu {
 
+namespace bf16 {
+void linear_tiles(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
+                  float* y, int64_t n, bool portable) {
+  linear_bf16(x, m, k, packed, bias, y, n, portable);
+}
+void linear_tiles(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
+                  at::BFloat16* y, int64_t n, bool portable) {
+  linear_bf16(x, m, k, packed, bias, y, n, portable);
+}
+}  // namespace bf16
+
 std::string linear_kernel_op() {
   switch (bf16_kernel(false)) {
     case Bf16Kernel::kAmx: return "amx";

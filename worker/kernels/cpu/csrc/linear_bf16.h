@@ -30,6 +30,15 @@ namespace bf16 {
 constexpr int64_t kAmxChunk = 32;  // K values per tile
 constexpr int64_t kColBlock = 64;  // output columns per block (and per float32 brgemm call)
 
+// linear's bf16 kernel (the CPU's fastest, or the plain loops where portable):
+// y (m, n) = x (m, k) W^T (+ bias), W in the tile layout; the bits of linear's
+// output columns. moe.cpp calls it on an expert's slice of column blocks from
+// inside its own parallel region, where it runs on the calling thread.
+void linear_tiles(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
+                  float* y, int64_t n, bool portable);
+void linear_tiles(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
+                  at::BFloat16* y, int64_t n, bool portable);
+
 #if defined(__AVX512F__)
 // dst[j] = from_float(sum[j] (+ bias[j])) for j < cols (at most 64): the same
 // IEEE addition and convert.h's rounding bits, 16 lanes at a time.

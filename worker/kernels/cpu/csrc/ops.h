@@ -21,10 +21,13 @@ std::string linear_kernel_op();
 at::Tensor linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t in_features, int64_t out_features, bool portable);
 
-// attention.cpp
+// attention.cpp (window, softcap, sinks: none by default, the schema's defaults)
 at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, bool portable);
+                              const at::Tensor& query_start_loc, double scale, bool portable,
+                              c10::optional<int64_t> window = c10::nullopt,
+                              c10::optional<double> softcap = c10::nullopt,
+                              const c10::optional<at::Tensor>& sinks = c10::nullopt);
 
 // elementwise.cpp: the decoder layer's elementwise work
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -52,5 +55,13 @@ std::string int4_path_op();
 at::Tensor linear_int4_op(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& cv, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features,
                           bool out_float, bool portable);
+
+// moe.cpp: a mixture-of-experts layer's routed experts
+at::Tensor pack_moe_weight_op(const at::Tensor& weight);
+at::Tensor moe_experts_op(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                          const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                          const c10::optional<at::Tensor>& gate_bias, const c10::optional<at::Tensor>& up_bias,
+                          const c10::optional<at::Tensor>& down_bias, int64_t hidden, int64_t intermediate,
+                          const std::string& activation, double alpha, double limit, bool out_float, bool portable);
 
 }  // namespace jitney_cpu
