@@ -56,8 +56,9 @@ def _hf_greedy(path: Path, prompt: tuple[int, ...]) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
-    out = ref.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
-                       pad_token_id=0)
+    # No EOS: the driver does not stop at one, and min_new_tokens would ban it instead (another argmax)
+    ref.generation_config.eos_token_id = None
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
     return [int(t) for t in out[0, len(prompt):]]
 
 
