@@ -135,6 +135,14 @@ def make_tiny_qwen2(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path
     return _save(model, path, vocab_size)
 
 
+def _random_qk_norms(model: Any) -> None:
+    """Random per-head q/k norm weights (HF makes them ones), so a test sees the norms."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+
+
 def make_tiny_qwen3(path: Path, *, vocab_size: int = 320, seed: int = 0, head_dim: int = 24,
                     attention_bias: bool = False, tied: bool = True) -> Path:
     """A random fp32 Qwen3ForCausalLM with tokenizer: q/k norms per head (given random
@@ -149,10 +157,9 @@ def make_tiny_qwen3(path: Path, *, vocab_size: int = 320, seed: int = 0, head_di
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).eval()
+    _random_qk_norms(model)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
-            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
             if attention_bias:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                              layer.self_attn.o_proj):
@@ -210,10 +217,9 @@ def make_tiny_qwen3_moe(path: Path, *, vocab_size: int = 320, seed: int = 0) -> 
     )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).eval()
+    _random_qk_norms(model)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
-            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None and hasattr(gate, "weight") and gate.weight.dim() == 2 and gate.weight.shape[0] == 8:
                 gate.weight.normal_(0, 0.5)   # HF initialises the router to zeros: every expert ties

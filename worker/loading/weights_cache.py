@@ -154,10 +154,11 @@ def _config_to_json(config: ModelConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def _tuples(data: dict[str, Any]) -> dict[str, Any]:
+    """JSON's lists back to the frozen dataclasses' tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
 def _config_from_json(data: dict[str, Any]) -> ModelConfig:
     rope = data.pop("rope_scaling", None)
-    if rope is not None:   # JSON lists back to the dataclass's tuples
-        rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
-    data["dense_layers"] = tuple(data.get("dense_layers", ()))
-    data["layer_types"] = tuple(data.get("layer_types", ()))
-    return ModelConfig(**data, rope_scaling=RopeScaling(**rope) if rope is not None else None)
+    return ModelConfig(**_tuples(data), rope_scaling=RopeScaling(**_tuples(rope)) if rope is not None else None)

@@ -181,6 +181,3 @@ class CausalLM(llama.CausalLM):
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def layer_stack(self, kv_cache: PagedKVCache) -> torch.ScriptObject | None:
-        return None
-

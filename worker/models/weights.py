@@ -79,10 +79,11 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Loaded]], sta
         owner: Any = model.get_submodule(prefix)
         parts = owner.parts_of(leaf) if hasattr(owner, "parts_of") else getattr(owner, "parts", (None,))
         got = filled.get(name, set())
-        if None not in got:
-            absent = [p for p in parts if p not in got]
-            missing += _sources(name, absent, stacked) if all(p is None or isinstance(p, (str, int)) for p in absent) \
-                else [f"{name} ({len(absent)} of its {len(parts)} parts, e.g. {absent[0]})"] if absent else []
+        absent = [] if None in got else [p for p in parts if p not in got]
+        if any(isinstance(p, tuple) for p in absent):   # stacked experts: (expert, part)
+            missing.append(f"{name} ({len(absent)} of its {len(parts)} parts, e.g. {absent[0]})")
+        else:
+            missing += _sources(name, absent, stacked)
     if missing:
         raise ValueError(f"checkpoint lacks {', '.join(missing)}")
     return unused
