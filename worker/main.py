@@ -126,6 +126,9 @@ def _sigterm_exits() -> Iterator[None]:
                         "the scheduler's drain and exits on its Shutdown")
 
     previous = signal.signal(signal.SIGTERM, handler)
+    # The supervisor starts this process with SIGTERM blocked (jitney.common.supervision):
+    # one that came before this handler was set is delivered to it now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
         yield
     finally:

@@ -36,8 +36,9 @@ STANDBY_FD_ENV = "JITNEY_STANDBY_FD"
 # SIGTERM and exits on the scheduler's Shutdown instead. Once this pipe has
 # ended (the supervisor closed it to let the worker go, or died), SIGTERM
 # ends the worker again. The supervisor also starts each worker with
-# SIGTERM ignored, so one that arrives before the worker's handler is set
-# does not end it either.
+# SIGTERM blocked (the signal mask survives exec), so one that arrives
+# before the worker's handler is set waits for that handler instead of
+# ending it: a supervised worker must unblock SIGTERM once its handler is set.
 SUPERVISOR_FD_ENV = "JITNEY_SUPERVISOR_FD"
 
 

@@ -26,7 +26,7 @@ it is supervised: it ignores SIGTERM while the supervisor holds that pipe's
 write end, so a SIGTERM to the whole process group (systemd's stop,
 `timeout`, `kill -- -PGID`) drains like one to the supervisor's pid instead
 of killing the serving worker under its requests. Each worker also starts
-with SIGTERM ignored, until its own handler is set. To let a worker go, the
+with SIGTERM blocked, until its own handler is set. To let a worker go, the
 supervisor closes that pipe and sends SIGTERM; SIGKILL after
 STOP_GRACE_SECONDS.
 
@@ -64,6 +64,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,9 +141,20 @@ def child_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[
     return argv
 
 
-def _ignore_sigterm() -> None:
-    """In a worker between fork and exec: SIGTERM ignored until its handler is set."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+@contextmanager
+def _sigterm_blocked() -> Iterator[None]:
+    """SIGTERM blocked in this thread for the block: a worker started inside it
+    inherits the mask through fork and exec, so a group SIGTERM that reaches it
+    before its handler is set waits for that handler (which unblocks it)
+    instead of ending it. This process's own SIGTERM is only delayed, not lost.
+    A mask rather than a preexec_fn setting SIG_IGN: preexec_fn runs Python
+    between fork and exec, which is unsafe in a process that has threads (a
+    test's gRPC threads: their after-fork hook aborted the child)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass(eq=False)
@@ -172,8 +185,8 @@ class _WorkerProcess:
             fds.append(activate_read)
             env[STANDBY_FD_ENV] = str(activate_read)
         try:
-            # preexec_fn runs Python between fork and exec: safe, as `jitney serve` runs no threads.
-            proc = subprocess.Popen(cmd, pass_fds=fds, env=env, preexec_fn=_ignore_sigterm)
+            with _sigterm_blocked():
+                proc = subprocess.Popen(cmd, pass_fds=fds, env=env)
         except BaseException:
             for fd in (ready_read, activate_write, lifeline_write):
                 if fd is not None:

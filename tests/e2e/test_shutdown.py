@@ -126,9 +126,9 @@ WORKER = f"""
 import os, select, signal, sys, time
 log = sys.argv[1]
 standby = "JITNEY_STANDBY_FD" in os.environ
-ignored = signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 with open(log, "a") as f:
-    f.write(f"start {{'standby' if standby else 'worker'}} ignored={{ignored}} "
+    f.write(f"start {{'standby' if standby else 'worker'}} blocked={{blocked}} "
             f"lifeline={{'{SUPERVISOR_FD_ENV}' in os.environ}}\\n")
 if not standby:
     fd = int(os.environ["JITNEY_READY_FD"])
@@ -171,7 +171,7 @@ def test_a_group_sigterm_leaves_the_worker_to_the_drain_and_lets_the_standby_go(
             proc.wait()
     lines = log.read_text().splitlines()
     starts = [line for line in lines if line.startswith("start ")]
-    assert starts == ["start worker ignored=True lifeline=True", "start standby ignored=True lifeline=True"]
+    assert starts == ["start worker blocked=True lifeline=True", "start standby blocked=True lifeline=True"]
     times = {line.split()[0]: float(line.split()[1]) for line in lines if "-exit " in line}
     # The worker lived through the drain; the standby was let go at once.
     assert times["worker-exit"] >= times["scheduler-exit"], lines

@@ -5,6 +5,7 @@ before its Ready backs off and, past the limit, stops `jitney serve`."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,12 +18,12 @@ from jitney.scheduler.launch.supervisor import _Supervisor
 
 # A stand-in worker: logs its start time, waits to be activated if it is a
 # standby (logging that time with a minus sign), says Ready (or not), lives a
-# while, dies. It is started with SIGTERM ignored; the supervisor sends one
+# while, dies. It is started with SIGTERM blocked; the supervisor sends one
 # only once it has let go of it, which ends a real worker: so SIGTERM's
-# default here.
+# default here, unblocked (as a real worker unblocks it once its handler is set).
 WORKER = f"""
 import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})
 with open(sys.argv[1], "a") as log:
     log.write(f"{{time.monotonic()}}\\n")
 standby = os.environ.get("{STANDBY_FD_ENV}")
@@ -55,6 +56,8 @@ def _supervise(tmp_path: Path, ready: str, lives: float, scheduler_seconds: floa
 
 def test_a_worker_that_dies_serving_is_restarted_at_once_and_without_limit(tmp_path: Path) -> None:
     code, starts = _supervise(tmp_path, "ready", lives=0.3, scheduler_seconds=4.0, max_restarts=1)
+    # Each start blocked SIGTERM only around its fork and exec: this process's mask is back.
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert all(t > 0 for t in starts)     # no standby: nothing was activated
     assert code == 0                      # the scheduler's own status: nothing gave up
     assert len(starts) >= 5, starts       # far past --max-worker-restarts 1
@@ -92,7 +95,7 @@ def test_a_standby_takes_over_at_once_and_another_starts_behind_it(
 # (logging when it stops) and sleeps: traffic right after Ready.
 BUSY_WORKER = f"""
 import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_DFL)    # (as WORKER's)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})    # (as WORKER's)
 if os.environ.get("{STANDBY_FD_ENV}") is not None:
     with open(sys.argv[1], "a") as log:
         log.write(f"standby {{time.monotonic()}}\\n")
@@ -134,7 +137,7 @@ def test_the_standby_waits_for_the_serving_worker_to_be_quiet_unless_it_loads_id
 # after a while in the first group only (its log line marks the group), the rest live on.
 RANK = f"""
 import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_DFL)    # (as WORKER's)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})    # (as WORKER's)
 args = sys.argv[sys.argv.index("--tp-rank") + 1:]
 rank, log = int(args[0]), sys.argv[1]
 with open(log, "a") as f:
