@@ -5,8 +5,10 @@
 float32, the top k kept (renormalised to sum 1 where the family says so), and
 ``FusedExperts`` computes only the routed experts' rows. On the CPU the experts
 run ``kernels/cpu/moe.py`` (each routed expert's weights read once per step, a
-token's k outputs added in top-k order in float32: batch-invariant); elsewhere a
-torch loop over the routed experts adds them in the same order.
+token's k outputs added in top-k order in float32: batch-invariant); on CUDA the
+Triton fused-MoE kernel (``kernels/triton/moe.py``: pairs sorted by expert, each
+expert's weights read once per block of its rows, the same top-k order); elsewhere
+a torch loop over the routed experts adds them in the same order.
 
 Tensor parallelism splits every expert's intermediate size across the ranks
 (gate and up rows, down columns), so the block's output is a partial sum that
@@ -33,6 +35,7 @@ class FusedExperts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.kernel: nn.Module | None = None
+        self.triton = False
 
     def parts_of(self, leaf: str) -> list[tuple[int, str]]:
         """The checkpoint tensors (expert, part) that fill parameter ``leaf``."""
@@ -62,10 +65,24 @@ class FusedExperts(nn.Module):
         self.gate_up = nn.Parameter(self.gate_up.new_empty(0), requires_grad=False)   # the kernel holds them
         self.down = nn.Parameter(self.down.new_empty(0), requires_grad=False)
 
+    def use_triton_kernel(self) -> bool:
+        """Run on the Triton fused-MoE kernel from now on (CUDA; it reads these weights in
+        place). False, the torch loop kept, where the triton package is missing."""
+        try:
+            import jitney.worker.kernels.triton.moe  # noqa: F401
+        except ImportError:
+            return False
+        self.triton = True
+        return True
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             out: torch.Tensor = self.kernel.forward(x, topk_ids, topk_weights)
             return out
+        if self.triton:
+            from jitney.worker.kernels.triton.moe import fused_experts
+
+            return fused_experts(x, self.gate_up, self.down, topk_ids, topk_weights)
         inter = self.intermediate_size
         acc = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         for slot in range(topk_ids.shape[1]):    # top-k order, as the CPU kernel adds them

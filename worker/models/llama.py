@@ -22,6 +22,7 @@ is called after o_proj and after down_proj, and is the identity without a group.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable
 from typing import Any, cast
@@ -44,6 +45,8 @@ from jitney.worker.layers.reduce import Reduce, no_reduce
 from jitney.worker.layers.rotary import rotary_for
 from jitney.worker.models.config import ModelConfig, UnsupportedModelError, rope_from_hf
 from jitney.worker.models.weights import Stacked, load_checkpoint
+
+logger = logging.getLogger("jitney.worker")
 
 
 # The Hugging Face architectures this file runs (models/registry.py), and their model types
@@ -287,11 +290,19 @@ class CausalLM(nn.Module):
         kernel_head = self.kernel.apply(self.model, head)
         if kernel_head is not None:
             self.lm_head = kernel_head
-        if device.type == "cpu":
-            from jitney.worker.layers.moe import FusedExperts
-
-            for module in self.modules():   # the experts' own kernel (layers/moe.py), bf16 or float32
-                if isinstance(module, FusedExperts):
-                    module.use_cpu_kernel()
+        self._use_experts_kernel(device)
         self.eval()
         return unused
+
+    def _use_experts_kernel(self, device: torch.device) -> None:
+        """Put the MoE layers' experts (layers/moe.py) on the device's own kernel."""
+        from jitney.worker.layers.moe import FusedExperts
+
+        experts = [m for m in self.modules() if isinstance(m, FusedExperts)]
+        for module in experts:
+            if device.type == "cpu":
+                module.use_cpu_kernel()
+            elif device.type == "cuda" and not module.use_triton_kernel():
+                logger.warning("the triton package is missing: the experts run a torch loop over "
+                               "the routed experts (slower; pip install triton)")
+                return
