@@ -266,7 +266,7 @@ def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
     return stack
 
 
-def _add_linear(stack: torch.ScriptObject, lin: nn.Module | RoutedExperts) -> bool:
+def _add_linear(stack: Any, lin: nn.Module | RoutedExperts) -> bool:
     """Give ``stack``'s last layer its next linear (or experts block); False: the stack cannot run it."""
     if isinstance(lin, RoutedExperts):
         ex: Any = lin.experts
