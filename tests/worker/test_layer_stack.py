@@ -82,7 +82,7 @@ def test_an_incomplete_stack_is_refused() -> None:
     program = [int(op) for op, _ in DecoderLayer.PROGRAM], [index for _, index in DecoderLayer.PROGRAM]
     stack = torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, *program)
     with pytest.raises(RuntimeError, match="no layer"):
-        stack.forward(torch.zeros(1, 64), *[torch.zeros(1)] * 6)
+        stack.forward(torch.zeros(1, 64), [torch.zeros(1)], [torch.zeros(1)], *[torch.zeros(1)] * 4)
     w = torch.ones(64)
     stack.add_layer(torch.zeros(1), torch.zeros(1))
     stack.add_norm(w, 1e-5)
@@ -98,7 +98,7 @@ def test_an_incomplete_stack_is_refused() -> None:
 
 @pytest.mark.parametrize(("ops", "indices", "message"), [
     ([1, 0], [0, 0], "starts with INPUT_NORM"),
-    ([0, 9], [0, 0], "unknown layer op 9"),
+    ([0, 10], [0, 0], "unknown layer op 10"),
     ([0, 1], [0, -1], "a negative index"),
     ([0], [0, 1], "at least one"),
 ])
@@ -108,6 +108,73 @@ def test_a_malformed_program_is_refused(ops: list[int], indices: list[int], mess
     cpu_kernels.load()
     with pytest.raises(RuntimeError, match=message):
         torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, ops, indices)
+
+
+def test_attention_features_in_the_stack_give_the_layers_bits(models: dict[str, str]) -> None:
+    """A window, a soft cap and sinks per layer (gpt-oss's sinks: no family here has them yet)
+    reach the stack's attention as they reach the op-by-op backend's."""
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 2.0])
+    attends: list[dict[str, Any]] = [{"window": 3, "sinks": sinks}, {"softcap": 2.5}]
+    runs = []
+    for stack in (True, False):
+        runner = _runner(models["llama"], "bfloat16", "none", stack=stack)
+        for layer, attend in zip(runner.model.model.layers, attends, strict=True):
+            layer.attend = dict(attend)
+        runner.model._stack = None   # (the runner's start built one without them)
+        if stack:
+            assert runner.model.layer_stack(runner.cache) is not None
+        runs.append(scenario(runner))
+    plain = scenario(_runner(models["llama"], "bfloat16", "none", stack=True))
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+    assert torch.equal(torch.tensor(runs[0]["logits"]), torch.tensor(runs[1]["logits"]))
+    assert not torch.equal(torch.tensor(runs[0]["logits"]), torch.tensor(plain["logits"]))   # the features count
+
+
+def test_a_layers_rotary_table_program_and_features_are_checked() -> None:
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+    cpu_kernels.load()
+    program = [int(op) for op, _ in DecoderLayer.PROGRAM], [index for _, index in DecoderLayer.PROGRAM]
+    stack = torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, *program)
+    assert stack.add_program([int(Op.INPUT_NORM), int(Op.NORM)], [0, 1]) == 1
+    stack.add_layer(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="no program 2"):
+        stack.set_layer(2, 0, None, None, None)
+    with pytest.raises(RuntimeError, match="window must be >= 1"):
+        stack.set_layer(0, 0, 0, None, None)
+    with pytest.raises(RuntimeError, match="softcap must be positive"):
+        stack.set_layer(0, 0, None, -1.0, None)
+    with pytest.raises(RuntimeError, match=r"sinks must be float32 of shape \(4\)"):
+        stack.set_layer(0, 0, None, None, torch.zeros(2))
+    stack.set_layer(1, 1, None, None, None)
+    stack.add_norm(torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError, match="its program names 2 and 0"):   # NORM 1 names a second norm
+        stack.check()
+    stack.add_norm(torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError, match="layer 0 rotates by table 1 of 1"):
+        stack.forward(torch.zeros(1, 64), [torch.zeros(1)], [torch.zeros(1)], *[torch.zeros(1)] * 4)
+
+
+def test_an_experts_block_needs_its_router() -> None:
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+    cpu_kernels.load()
+    stack = torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, [int(Op.INPUT_NORM), int(Op.LINEAR)], [0, 0])
+    stack.add_layer(torch.zeros(1), torch.zeros(1))
+    stack.add_norm(torch.ones(64), 1e-5)
+    packed = torch.zeros(4, 1, 1)
+    with pytest.raises(RuntimeError, match="needs its router added first"):
+        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True)
+    stack.add_linear(0, torch.zeros(1), None, None, None, 64, 4, False)
+    with pytest.raises(RuntimeError, match="does not score 8 experts"):
+        stack.add_experts(torch.zeros(8, 1, 1), packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2,
+                          True)
+    with pytest.raises(RuntimeError, match="top-5 of 4 experts"):
+        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 5, True)
+    stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True)
+    stack.check()   # the router and its experts are the layer's one linear
+    with pytest.raises(RuntimeError, match="router is a linear, not another block"):
+        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True)
 
 
 def test_every_family_writes_a_well_formed_program() -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jitney.worker.kernels.cpu.ops import RoutedExperts
 from jitney.worker.layers.linear import NO_SHARD, Loaded, ReplicatedLinear, Shard, loaded_shape
 
 
@@ -119,3 +120,9 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         return self.experts.forward(x, ids, weights)
+
+    def cpu_parts(self) -> RoutedExperts | None:
+        """This block for the CPU's C++ layer stack, which makes ``forward``'s calls in
+        C++ (``csrc/layer_stack.cpp``); None before its experts run the CPU kernel."""
+        kernel = self.experts.kernel
+        return None if kernel is None else RoutedExperts(self.gate, kernel, self.top_k, self.normalize)

@@ -14,8 +14,9 @@ norm that follows it.
 
     INPUT_NORM i   h = norms[i](h), residual = h before it (the first layer: no
                    residual yet); later layers: residual += h, h = norms[i](residual)
-    LINEAR i       h = linears[i](h)
+    LINEAR i       h = linears[i](h) (a mixture-of-experts block, ``layers/moe.py``, is one)
     ROPE_CACHE     q = rotary(h's q), rotated k and h's v into this layer's cache; h = q
+                   (the rotary table ``rope`` is the layer's: ``DecoderLayer.rope``)
     ATTEND         h = attention of q over this layer's cache, (T, heads * head_dim)
     ADD_NORM i     residual += h, h = norms[i](residual)
     SILU_MUL       h = silu(gate) * up, h = [gate, up]

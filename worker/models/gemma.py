@@ -14,7 +14,8 @@
   ``layer_types``: a sliding layer sees the last ``sliding_window`` keys, and its
   attention reads only those blocks (``attention/backend.py``).
 
-These run op by op (the C++ layer stack does not hold NORM, GELU_MUL or windows yet).
+The CPU's C++ layer stack runs these layers too: the sliding layers on the second
+rotary table (``layer_ops``), each layer with its window and soft cap.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Any, cast
 
 import torch
 
-from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata
-from jitney.worker.attention.kv_cache import PagedKVCache
+from jitney.worker.attention.backend import AttentionBackend
 from jitney.worker.layers.norm import RMSNorm
 from jitney.worker.layers.ops import TorchLayerOps, TritonLayerOps
 from jitney.worker.layers.program import Op, Program
@@ -120,6 +120,7 @@ class DecoderLayer(llama.DecoderLayer):
         self.sliding = types[self.index] == SLIDING
         if self.sliding:
             self.attend["window"] = cfg.sliding_window
+            self.rope = 1   # CausalLM.local_ops
         if cfg.attn_logit_softcap:
             self.attend["softcap"] = cfg.attn_logit_softcap
 
@@ -133,7 +134,6 @@ class DecoderLayer(llama.DecoderLayer):
 
 class CausalLM(llama.CausalLM):
     LAYER = DecoderLayer
-    STACKABLE = False
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, **kw: Any) -> None:
         super().__init__(cfg, backend, **kw)
@@ -157,24 +157,14 @@ class CausalLM(llama.CausalLM):
         self.local_ops = TorchLayerOps(self.local_ops.rotary.to(device))
         return unused
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVCache) -> torch.Tensor:
-        meta = self.backend.prepare(meta)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
-        x = embed(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=embed.weight.dtype)
-        ropes = (self.ops.rope_inputs(positions, x.dtype), self.local_ops.rope_inputs(positions, x.dtype))
-        residual: torch.Tensor | None = None
-        seen: set[bool] = set()
-        for i, module in enumerate(self.model.layers):
-            layer = cast(DecoderLayer, module)
-            ops = self.local_ops if layer.sliding else self.ops
-            # the first layer of each kind checks its arguments: later ones have the same shapes
-            ops.checking = self.backend.checking = layer.sliding not in seen
-            seen.add(layer.sliding)
-            x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache.layer(i), meta, self.backend, ops)
-        self.ops.checking = self.local_ops.checking = self.backend.checking = True
-        assert residual is not None
-        return x + residual
+        x: torch.Tensor = embed(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=embed.weight.dtype)
+        return x
+
+    def layer_ops(self) -> list[TorchLayerOps]:
+        """The global layers' ops, then the sliding layers' (their ``rope`` is 1)."""
+        return [self.ops, self.local_ops]
 
     def compute_logits(self, hidden: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden, sample_indices)

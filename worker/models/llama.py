@@ -33,10 +33,13 @@ from torch import nn
 
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention
 from jitney.worker.attention.kv_cache import PagedKVCache
+from jitney.worker.kernels.cpu import ops as cpu_kernels
+from jitney.worker.kernels.cpu.ops import RoutedExperts, StackLayer
 from jitney.worker.layers.attention import Attention
 from jitney.worker.layers.linear import NO_SHARD, Loaded, Shard
 from jitney.worker.layers.linear_kernel import LinearKernel
 from jitney.worker.layers.mlp import MLP
+from jitney.worker.layers.moe import FusedExperts, SparseMoe
 from jitney.worker.layers.norm import RMSNorm
 from jitney.worker.layers import program
 from jitney.worker.layers.ops import InvariantCpuLayerOps, TorchLayerOps
@@ -115,6 +118,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, shard=shard)
         self.attend: dict[str, Any] = {}   # this layer's attention features (program.py's ATTEND)
+        self.rope = 0   # which of the model's rotary tables (CausalLM.layer_ops) it rotates by
         self.add_parts(cfg)
         # run() indexes norms and linears without checks: the program is checked once, here
         check_program(self.PROGRAM, len(self.norms()), len(self.linears()))
@@ -144,6 +148,18 @@ class DecoderLayer(nn.Module):
         return program.run(self.PROGRAM, self.norms(), self.linears(), x, residual, rope, kv, meta, backend, ops,
                            attn.heads, attn.scale, self.reduce, self.attend)
 
+    def stack_layer(self, kv: tuple[torch.Tensor, torch.Tensor]) -> StackLayer | None:
+        """This layer over its cache ``kv`` for the C++ stack (``cpu_kernels.layer_stack``);
+        None when a part of it is not on the CPU's kernels (an experts block elsewhere)."""
+        linears: list[nn.Module | RoutedExperts] = []
+        for linear in self.linears():
+            part = linear.cpu_parts() if isinstance(linear, SparseMoe) else linear
+            if part is None:
+                return None
+            linears.append(part)
+        return cpu_kernels.StackLayer(self.PROGRAM, [(norm.weight, norm.eps) for norm in self.norms()], kv[0], kv[1],
+                                      linears, self.rope, **self.attend)
+
 
 class Decoder(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.``), of the family's ``layer`` class."""
@@ -171,8 +187,9 @@ class CausalLM(nn.Module):
 
     LAYER: type[DecoderLayer] = DecoderLayer
     STACKED: Stacked = STACKED
-    # Whether the CPU's C++ layer stack can hold the layers (it runs linears, norms and
-    # attention; a mixture-of-experts block runs op by op).
+    # Whether the CPU's C++ layer stack can hold the layers (every op of layers/program.py,
+    # attention's features and layers/moe.py's experts blocks; a family whose layers hold
+    # anything else says False and runs op by op).
     STACKABLE = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, *,
@@ -205,23 +222,41 @@ class CausalLM(nn.Module):
         Writes the tokens' K/V into ``kv_cache`` at ``meta.slot_mapping``.
         """
         meta = self.backend.prepare(meta)  # once per step, for every layer
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.ops.rope_inputs(positions, x.dtype)
+        x = self.embed(input_ids)  # (T, hidden)
+        layer_ops = self.layer_ops()
+        ropes = [ops.rope_inputs(positions, x.dtype) for ops in layer_ops]   # once per step, per table
         stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack else None
         if stack is not None:
-            out, stream = stack.forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc)
+            out, stream = stack.forward(x, [rope[0] for rope in ropes], [rope[1] for rope in ropes],
+                                        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
             return cast(torch.Tensor, out + stream)
         residual: torch.Tensor | None = None
+        checked: set[int] = set()
         # The layers and their parts are called by .forward, not through nn.Module.__call__,
         # whose hook checks cost ~4 us a call, 7 calls a layer (~0.9 ms of an 11 ms batch-1
         # CPU decode step). Nothing in Jitney registers hooks on them.
-        for i, layer in enumerate(self.model.layers):
-            self.ops.checking = self.backend.checking = i == 0  # later layers have the same shapes
-            x, residual = layer.forward(x, residual, rope, kv_cache.layer(i), meta, self.backend, self.ops)
-        self.ops.checking = self.backend.checking = True
+        for i, module in enumerate(self.model.layers):
+            layer = cast(DecoderLayer, module)
+            ops = layer_ops[layer.rope]
+            # the first layer of each rotary table checks its arguments: later ones have the same shapes
+            ops.checking = self.backend.checking = layer.rope not in checked
+            checked.add(layer.rope)
+            x, residual = layer.forward(x, residual, ropes[layer.rope], kv_cache.layer(i), meta, self.backend, ops)
+        for ops in layer_ops:
+            ops.checking = True
+        self.backend.checking = True
         assert residual is not None
         return x + residual
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings (T, hidden) of ``input_ids (T,)``, as the first layer takes them."""
+        x: torch.Tensor = self.model.embed_tokens(input_ids)
+        return x
+
+    def layer_ops(self) -> list[TorchLayerOps]:
+        """The layer ops of each rotary table, in the order a layer's ``rope`` names them:
+        the model's one here."""
+        return [self.ops]
 
     def layer_stack(self, kv_cache: PagedKVCache) -> torch.ScriptObject | None:
         """The C++ stack of this model's layers over ``kv_cache`` (``cpu_kernels.layer_stack``),
@@ -234,16 +269,14 @@ class CausalLM(nn.Module):
             return self._stack[1]
         stack = None
         layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
-        if (self.STACKABLE and isinstance(self.ops, InvariantCpuLayerOps)
+        attn = layers[0].self_attn
+        if (self.STACKABLE and all(isinstance(ops, InvariantCpuLayerOps) for ops in self.layer_ops())
                 and isinstance(self.backend, InvariantCpuAttention)
-                and all(layer.reduce is no_reduce for layer in layers)):
-            from jitney.worker.kernels.cpu import ops as cpu_kernels
-
-            attn = layers[0].self_attn
-            stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                                            layers[0].PROGRAM, [
-                ([(norm.weight, norm.eps) for norm in layer.norms()], *kv_cache.layer(i), layer.linears())
-                for i, layer in enumerate(layers)])
+                and all(layer.reduce is no_reduce and layer.self_attn.scale == attn.scale for layer in layers)):
+            parts = [layer.stack_layer(kv_cache.layer(i)) for i, layer in enumerate(layers)]
+            if all(part is not None for part in parts):
+                stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                                                cast(list[StackLayer], parts))
         self._stack = (weakref.ref(kv_cache), stack)
         return stack
 
@@ -296,8 +329,6 @@ class CausalLM(nn.Module):
 
     def _use_experts_kernel(self, device: torch.device) -> None:
         """Put the MoE layers' experts (layers/moe.py) on the device's own kernel."""
-        from jitney.worker.layers.moe import FusedExperts
-
         experts = [m for m in self.modules() if isinstance(m, FusedExperts)]
         for module in experts:
             if device.type == "cpu":

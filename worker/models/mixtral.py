@@ -69,4 +69,3 @@ class CausalLM(llama.CausalLM):
 
     def rename(self, name: str) -> tuple[str, object] | None:
         return rename(name)
-    STACKABLE = False

@@ -76,4 +76,3 @@ class CausalLM(qwen3.CausalLM):
 
     def rename(self, name: str) -> tuple[str, object] | None:
         return rename(name)
-    STACKABLE = False

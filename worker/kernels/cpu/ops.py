@@ -56,7 +56,9 @@ import os
 import platform
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -200,39 +202,91 @@ class InvariantLinear(nn.Module):
         return y
 
 
-LayerParts = tuple[list[tuple[torch.Tensor, float]], torch.Tensor, torch.Tensor, list[nn.Module]]
-"""One decoder layer for ``layer_stack``: ([(norm weight, eps), ...], K cache, V cache,
-[linear, ...]), the norms and linears its program's indices name."""
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture-of-experts block (``layers/moe.py``'s ``SparseMoe``) for ``layer_stack``:
+    its router (a linear of this module's), its experts (``moe.InvariantMoeExperts``),
+    ``top_k`` of them per token, their softmax weights renormalised to sum 1 when ``normalize``."""
+
+    router: nn.Module
+    experts: nn.Module
+    top_k: int
+    normalize: bool
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer for ``layer_stack``: its program (``layers/program.py``'s (op,
+    index) steps), the [(weight, eps), ...] of the norms and the linears (or experts
+    blocks) its indices name, its K and V caches, which of ``forward``'s rotary tables
+    it rotates by, and its attention's window, soft cap and sinks (None: off)."""
+
+    program: Sequence[tuple[int, int]]
+    norms: list[tuple[torch.Tensor, float]]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    linears: Sequence[nn.Module | RoutedExperts]
+    rope: int = 0
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                program: Sequence[tuple[int, int]], layers: list[LayerParts]) -> torch.ScriptObject | None:
+                layers: Sequence[StackLayer]) -> torch.ScriptObject | None:
     """``csrc/layer_stack.cpp``'s ``LayerStack``: every layer of a step in one call,
-    each running ``program`` (``layers/program.py``: (op, index) steps) with the
-    kernels ``InvariantCpuLayerOps`` calls, in the program's order (so the same bits).
-    Only without tensor parallelism: its REDUCE steps are the identity. None where
-    a linear is not one of this module's (``InvariantLinear``, ``Int8Linear``,
-    ``Int4Linear``) or returns float32."""
+    each running its program with the kernels ``InvariantCpuLayerOps`` calls, in the
+    program's order (so the same bits). Only without tensor parallelism: its REDUCE
+    steps are the identity. Its ``forward`` takes the step's embeddings, a list of
+    cos and one of sin (a layer's ``rope`` picks one of each) and the attention
+    metadata. None where a linear is not one of this module's (``InvariantLinear``,
+    ``Int8Linear``, ``Int4Linear``) or returns float32, or an experts block's
+    experts return float32."""
     load()
-    stack = torch.classes.jitney_cpu.LayerStack(num_heads, num_kv_heads, head_dim, scale,
-                                                [int(op) for op, _ in program], [index for _, index in program])
-    for norms, k_cache, v_cache, linears in layers:
-        stack.add_layer(k_cache, v_cache)
-        for weight, eps in norms:
+    if not layers:
+        raise ValueError("a layer stack needs a layer")
+
+    def steps(program: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        return [int(op) for op, _ in program], [index for _, index in program]
+
+    stack = torch.classes.jitney_cpu.LayerStack(num_heads, num_kv_heads, head_dim, scale, *steps(layers[0].program))
+    programs = {tuple(layers[0].program): 0}
+    for layer in layers:
+        program = tuple(layer.program)
+        if program not in programs:
+            programs[program] = stack.add_program(*steps(program))
+        stack.add_layer(layer.k_cache, layer.v_cache)
+        stack.set_layer(programs[program], layer.rope, layer.window, layer.softcap, layer.sinks)
+        for weight, eps in layer.norms:
             stack.add_norm(weight, eps)
-        for lin in linears:
-            if not isinstance(lin, (InvariantLinear, Int8Linear, Int4Linear)) or lin.out_float:
+        for lin in layer.linears:
+            if not _add_linear(stack, lin):
                 return None
-            # (layer_stack.cpp's Kind, weights, int4's group scales, int8/int4's per-channel scales)
-            if isinstance(lin, Int4Linear):
-                kind, weights, cv, channels = 2, lin.q4, lin.cv, lin.scale
-            elif isinstance(lin, Int8Linear):
-                kind, weights, cv, channels = 1, lin.packed, None, lin.scale
-            else:
-                kind, weights, cv, channels = 0, lin.packed, None, None
-            stack.add_linear(kind, weights, cv, channels, lin.bias, lin.in_features, lin.out_features, lin.portable)
     stack.check()
     return stack
+
+
+def _add_linear(stack: Any, lin: nn.Module | RoutedExperts) -> bool:
+    """Give ``stack``'s last layer its next linear (or experts block); False: the stack cannot run it."""
+    if isinstance(lin, RoutedExperts):
+        ex: Any = lin.experts
+        if ex.out_float or not _add_linear(stack, lin.router):
+            return False
+        stack.add_experts(ex.gate, ex.up, ex.down, ex.gate_bias, ex.up_bias, ex.down_bias, ex.hidden_size,
+                          ex.intermediate_size, ex.activation, ex.alpha, ex.limit, ex.portable, lin.top_k,
+                          lin.normalize)
+        return True
+    if not isinstance(lin, (InvariantLinear, Int8Linear, Int4Linear)) or lin.out_float:
+        return False
+    # (layer_stack.cpp's Kind, weights, int4's group scales, int8/int4's per-channel scales)
+    if isinstance(lin, Int4Linear):
+        kind, weights, cv, channels = 2, lin.q4, lin.cv, lin.scale
+    elif isinstance(lin, Int8Linear):
+        kind, weights, cv, channels = 1, lin.packed, None, lin.scale
+    else:
+        kind, weights, cv, channels = 0, lin.packed, None, None
+    stack.add_linear(kind, weights, cv, channels, lin.bias, lin.in_features, lin.out_features, lin.portable)
+    return True
 
 
 def linear_kernel() -> str:
