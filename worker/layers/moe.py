@@ -66,8 +66,8 @@ class FusedExperts(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"weight {name}: expert {expert} of a layer of {self.num_experts}")
         bias = leaf.endswith("_bias")
-        want = (size * inter, hidden) if part != "down" else (hidden, size * inter)
-        want = want[:1] if bias else want
+        matrix = (size * inter, hidden) if part != "down" else (hidden, size * inter)
+        want: tuple[int, ...] = matrix[:1] if bias else matrix
         if loaded_shape(loaded) != want:
             raise ValueError(f"weight {name}: shape {loaded_shape(loaded)}, expected {want}")
         lo, hi = rank * inter, (rank + 1) * inter
