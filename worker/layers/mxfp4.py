@@ -1,7 +1,7 @@
 """MXFP4 weights (the OCP Microscaling format, as gpt-oss checkpoints store their
 experts), de-quantised: Jitney has no MXFP4 kernel yet, so a checkpoint's MXFP4
-tensors become the serving dtype at load (four times the experts' memory of the
-packed form, the same values).
+tensors become the serving dtype at load (the same values; bf16 takes about 3.8
+times the memory of the packed form's 4.25 bits a value).
 
 A row of K values is stored as ``blocks (..., K / 32, 16)`` uint8 and ``scales
 (..., K / 32)`` uint8: each group of 32 values shares one E8M0 scale (the power of

@@ -111,8 +111,9 @@ class CausalLM(llama.CausalLM):
 
     def load_weights(self, tensors: Any, dtype: torch.dtype, device: torch.device) -> list[str]:
         if self.config.experts_format == "mxfp4":
+            name = str(dtype).removeprefix("torch.")
             logger.info("gpt-oss experts are MXFP4 in the checkpoint: de-quantised to %s at load "
-                        "(no MXFP4 kernel yet; the experts take %s's memory)", dtype, dtype)
+                        "(no MXFP4 kernel yet: the experts take %s's memory)", name, name)
         unused = super().load_weights(tensors, dtype, device)
         for module in self.model.layers:
             layer = cast(DecoderLayer, module)
