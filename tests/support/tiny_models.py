@@ -256,3 +256,87 @@ def make_tiny_gemma(path: Path, *, version: int = 3, vocab_size: int = 320, seed
             if "norm" in name:
                 param.normal_(0, 0.3)
     return _save(model, path, vocab_size)
+
+
+def make_tiny_gpt_oss(path: Path, *, vocab_size: int = 320, seed: int = 0, window: int = 6,
+                      mxfp4_round_trip: bool = False) -> Path:
+    """A random fp32 GptOssForCausalLM with tokenizer: 3 layers, sliding (a ``window``
+    shorter than the prompts) and full interleaved, 3 of 8 experts per token, YaRN rotary
+    (factor 4 over an original 64 positions); sinks, router, attention and expert biases
+    random (transformers initialises most to zeros), a SwiGLU limit of 1.5 that the
+    experts' gates and ups cross. ``mxfp4_round_trip``: the experts' weights replaced by
+    their MXFP4 round trip (``mxfp4_pack`` then de-quantised), so an MXFP4 checkpoint of
+    them holds exactly these values."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=3, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
+        rms_norm_eps=1e-6, swiglu_limit=1.5, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                param.normal_(0, 0.5)
+            elif "experts" in name:
+                param.normal_(0, 0.3)
+            elif "norm" in name:
+                param.normal_(1, 0.2)
+        if mxfp4_round_trip:
+            from jitney.worker.layers.mxfp4 import dequantize_mxfp4
+
+            for layer in model.model.layers:
+                experts = layer.mlp.experts
+                for leaf in ("gate_up_proj", "down_proj"):
+                    weight = getattr(experts, leaf)
+                    blocks, scales = mxfp4_pack(weight.transpose(1, 2))
+                    weight.copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+    return _save(model, path, vocab_size)
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight (..., K)`` float -> MXFP4 ``blocks (..., K / 32, 16)`` and ``scales
+    (..., K / 32)`` uint8: per 32 values the power of two that puts their largest
+    magnitude in [4, 8) (6 is FP4's largest value; above it rounds down to 6), each value
+    rounded to the nearest FP4 E2M1 value (ties to the lower code)."""
+    from jitney.worker.layers.mxfp4 import E2M1_VALUES
+
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    amax = groups.abs().amax(dim=-1).clamp_min(2.0 ** -120)
+    exponent = torch.floor(torch.log2(amax)) - 2
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    code = code + 8 * (scaled < 0).long()
+    nibbles = code.to(torch.uint8).reshape(*code.shape[:-1], 16, 2)
+    blocks = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    scales = (exponent + 127).to(torch.uint8)
+    return blocks, scales
+
+
+def write_mxfp4_gpt_oss(source: Path, path: Path) -> Path:
+    """A copy of tiny gpt-oss folder ``source`` as the released checkpoints are: its
+    experts' weights as MXFP4 ``_blocks`` and ``_scales`` and ``quantization_config``
+    quant_method "mxfp4" (exact only for weights ``mxfp4_round_trip`` made)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    state = load_file(str(source / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_pack(state.pop(name).transpose(1, 2))   # (E, out, in): rows of `in` values
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path

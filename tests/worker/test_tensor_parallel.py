@@ -28,7 +28,8 @@ import torch
 from tests.support.runner_driver import scenario
 from tests.support.server_harness import ROOT, free_port, running_server
 from tests.support.tensor_parallel_ranks import tp_config
-from tests.support.tiny_models import make_tiny_llama, make_tiny_phi3, make_tiny_qwen2, make_tiny_qwen3_moe
+from tests.support.tiny_models import (make_tiny_gpt_oss, make_tiny_llama, make_tiny_phi3, make_tiny_qwen2,
+                                       make_tiny_qwen3_moe)
 from jitney.v1 import generation_pb2 as pb
 from jitney.worker.models.config import ModelConfig
 from jitney.worker.runner.model_runner import ModelRunner
@@ -41,7 +42,8 @@ LOGITS_ATOL = 1e-5
 def models(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = tmp_path_factory.mktemp("tp")
     return [str(make_tiny_llama(root / "llama")), str(make_tiny_qwen2(root / "qwen2")),
-            str(make_tiny_phi3(root / "phi3")), str(make_tiny_qwen3_moe(root / "qwen3-moe"))]
+            str(make_tiny_phi3(root / "phi3")), str(make_tiny_qwen3_moe(root / "qwen3-moe")),
+            str(make_tiny_gpt_oss(root / "gpt-oss"))]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,9 @@ def two_ranks(models: list[str], tmp_path_factory: pytest.TempPathFactory) -> li
     return results
 
 
-@pytest.mark.parametrize("which", [0, 1, 2, 3], ids=["llama-gqa", "qwen2-qkv-bias-tied",
-                                                     "phi3-fused-qkv-gate-up", "qwen3-moe-experts-split"])
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4], ids=["llama-gqa", "qwen2-qkv-bias-tied",
+                                                        "phi3-fused-qkv-gate-up", "qwen3-moe-experts-split",
+                                                        "gpt-oss-sinks-and-expert-biases-split"])
 def test_two_ranks_match_one(models: list[str], two_ranks: list[dict[str, Any]], which: int) -> None:
     torch.set_num_threads(1)
     alone = json.loads(json.dumps(scenario(ModelRunner(tp_config(models[which])))))   # str keys, as the ranks'

@@ -4,9 +4,10 @@ projection, with the head layout the layer program's ROPE_CACHE and ATTEND read
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from jitney.worker.layers.linear import NO_SHARD, QKVParallelLinear, RowParallelLinear, Shard
+from jitney.worker.layers.linear import NO_SHARD, Loaded, QKVParallelLinear, RowParallelLinear, Shard, loaded_shape, whole
 
 
 class Attention(nn.Module):
@@ -26,3 +27,25 @@ class Attention(nn.Module):
     @property
     def heads(self) -> tuple[int, int, int]:
         return self.num_heads, self.num_kv_heads, self.head_dim
+
+
+class HeadSinks(nn.Module):
+    """Learned attention sinks (gpt-oss): one logit per query head that joins every
+    softmax's denominator and attends to nothing, ``logits (nh,)``, this rank's heads
+    (a contiguous range, as ``QKVParallelLinear`` splits the q heads)."""
+
+    def __init__(self, num_heads: int, shard: Shard = NO_SHARD) -> None:
+        super().__init__()
+        self.num_heads, self.shard = num_heads, shard
+        self.logits = nn.Parameter(torch.empty(num_heads))
+
+    def weight_loader(self, name: str, leaf: str, loaded: Loaded, shard_id: object = None) -> None:
+        want = (self.shard.size * self.num_heads,)
+        if loaded_shape(loaded) != want:
+            raise ValueError(f"weight {name}: shape {loaded_shape(loaded)}, expected {want}")
+        lo = self.shard.rank * self.num_heads
+        self.logits.copy_(whole(loaded)[lo:lo + self.num_heads])
+
+    def for_attend(self) -> torch.Tensor:
+        """What ``attend(sinks=)`` takes: float32 (nh,) on the parameter's device."""
+        return self.logits.detach().float().contiguous()

@@ -163,6 +163,9 @@ def load_model(
     else:
         hf = load_hf_config(files)
         cfg = model_config_from_hf(hf)
+        if files.gguf_file is not None and not getattr(family_named(cfg.family), "READS_GGUF", True):
+            raise UnsupportedModelError(f"{cfg.family} from a GGUF file is not supported "
+                                        "(load its Hugging Face safetensors folder)")
         facts = source_facts(files, hf)
         if split is not None:
             check_shardable(cfg, split.size)

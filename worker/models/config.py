@@ -41,6 +41,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss's experts: the clamped SwiGLU's alpha and limit, and the checkpoint's
+    # format of their weights ("mxfp4": de-quantised at load; "": the serving dtype's).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    experts_format: str = ""
     # Per-layer attention (Gemma): each layer's type ("full_attention" or
     # "sliding_attention", which sees the last ``sliding_window`` keys), the scores'
     # and the final logits' soft caps (0: none), the attention scale (0: head_dim^-0.5),
@@ -91,7 +96,9 @@ def rope_from_hf(hf: Any) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "longrope":
         return theta, _longrope(hf, params)
-    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope)")
+    if rope_type == "yarn":
+        return theta, _yarn(hf, params)
+    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope, yarn)")
 
 
 def _longrope(hf: Any, params: dict[str, Any]) -> RopeScaling:
@@ -106,3 +113,25 @@ def _longrope(hf: Any, params: dict[str, Any]) -> RopeScaling:
     return RopeScaling("longrope", factor, original_max_position_embeddings=original,
                        short_factor=tuple(float(f) for f in params["short_factor"]),
                        long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention))
+
+
+def _yarn(hf: Any, params: dict[str, Any]) -> RopeScaling:
+    """YaRN with transformers' defaults: the original context from the config's own
+    ``original_max_position_embeddings`` first (as transformers standardises it), then
+    the rope parameters', then the context; ``factor`` from the two contexts when
+    absent; betas 32 and 1; ``truncate`` on; the attention factor
+    (mscale) ``0.1 ln(factor) + 1``, or DeepSeek's ratio of two mscales, unless given."""
+    original = int(getattr(hf, "original_max_position_embeddings", None)
+                   or params.get("original_max_position_embeddings") or hf.max_position_embeddings)
+    factor = float(params.get("factor") or hf.max_position_embeddings / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32),
+                       beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)))

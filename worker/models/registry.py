@@ -17,12 +17,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from jitney.worker.models import gemma, llama, mixtral, phi3, qwen3, qwen3_moe
+from jitney.worker.models import gemma, gpt_oss, llama, mixtral, phi3, qwen3, qwen3_moe
 from jitney.worker.models import transformers as transformers_family
 from jitney.worker.models.config import UnsupportedModelError
 
 # The native families: their own model code, a layer program each (layers/program.py).
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, phi3, mixtral, qwen3_moe, gemma)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, phi3, mixtral, qwen3_moe, gemma, gpt_oss)
 
 # What the loader builds and the runner drives: a family's ``CausalLM``.
 ServedModel = llama.CausalLM | transformers_family.CausalLM

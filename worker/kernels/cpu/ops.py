@@ -206,12 +206,14 @@ class InvariantLinear(nn.Module):
 class RoutedExperts:
     """A mixture-of-experts block (``layers/moe.py``'s ``SparseMoe``) for ``layer_stack``:
     its router (a linear of this module's), its experts (``moe.InvariantMoeExperts``),
-    ``top_k`` of them per token, their softmax weights renormalised to sum 1 when ``normalize``."""
+    ``top_k`` of them per token, their softmax weights renormalised to sum 1 when ``normalize``;
+    ``topk_then_softmax`` (gpt-oss): the top k of the router's logits, then their softmax."""
 
     router: nn.Module
     experts: nn.Module
     top_k: int
     normalize: bool
+    topk_then_softmax: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,7 @@ def _add_linear(stack: Any, lin: nn.Module | RoutedExperts) -> bool:
             return False
         stack.add_experts(ex.gate, ex.up, ex.down, ex.gate_bias, ex.up_bias, ex.down_bias, ex.hidden_size,
                           ex.intermediate_size, ex.activation, ex.alpha, ex.limit, ex.portable, lin.top_k,
-                          lin.normalize)
+                          lin.normalize, lin.topk_then_softmax)
         return True
     if not isinstance(lin, (InvariantLinear, Int8Linear, Int4Linear)) or lin.out_float:
         return False

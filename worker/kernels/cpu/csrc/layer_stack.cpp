@@ -94,20 +94,28 @@ struct Linear {
 
 // A sparse mixture-of-experts block, SparseMoe.forward's calls: the router (a
 // linear), softmax in float32, the top k in descending order, renormalised to
-// sum 1 where `normalize`, then moe_experts over the routed rows.
+// sum 1 where `normalize` (or, `topk_then_softmax`, gpt-oss's: the top k of the
+// float32 logits, then their softmax), then moe_experts over the routed rows.
 struct Experts {
   Linear router;
   at::Tensor gate, up, down;  // pack_moe_weight's
   c10::optional<at::Tensor> gate_bias, up_bias, down_bias;
   int64_t hidden = 0, intermediate = 0, top_k = 0;
-  bool normalize = false, portable = false;
+  bool normalize = false, topk_then_softmax = false, portable = false;
   std::string activation;
   double alpha = 0, limit = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    const at::Tensor probs = at::softmax(router(x).to(at::kFloat), -1);
-    auto [weights, ids] = at::topk(probs, top_k, -1);
-    if (normalize) weights = at::div(weights, at::sum(weights, {-1}, true));
+    at::Tensor weights, ids;
+    if (topk_then_softmax) {
+      auto [logits, top] = at::topk(router(x).to(at::kFloat), top_k, -1);
+      weights = at::softmax(logits, -1);
+      ids = top;
+    } else {
+      const at::Tensor probs = at::softmax(router(x).to(at::kFloat), -1);
+      std::tie(weights, ids) = at::topk(probs, top_k, -1);
+      if (normalize) weights = at::div(weights, at::sum(weights, {-1}, true));
+    }
     return jitney_cpu::moe_experts_op(x, ids, weights, gate, up, down, gate_bias, up_bias, down_bias, hidden,
                                       intermediate, activation, alpha, limit, false, portable);
   }
@@ -247,7 +255,7 @@ class LayerStack : public torch::CustomClassHolder {
   void add_experts(at::Tensor gate, at::Tensor up, at::Tensor down, c10::optional<at::Tensor> gate_bias,
                    c10::optional<at::Tensor> up_bias, c10::optional<at::Tensor> down_bias, int64_t hidden,
                    int64_t intermediate, std::string activation, double alpha, double limit, bool portable,
-                   int64_t top_k, bool normalize) {
+                   int64_t top_k, bool normalize, bool topk_then_softmax) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().linears.empty(), "add_experts needs its router added first");
     Linear& router = layers_.back().linears.back();
     TORCH_CHECK(router.kind != Kind::kExperts, "an experts block's router is a linear, not another block");
@@ -267,6 +275,7 @@ class LayerStack : public torch::CustomClassHolder {
     experts->intermediate = intermediate;
     experts->top_k = top_k;
     experts->normalize = normalize;
+    experts->topk_then_softmax = topk_then_softmax;
     experts->portable = portable;
     experts->activation = std::move(activation);
     experts->alpha = alpha;
