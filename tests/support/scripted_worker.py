@@ -1,5 +1,5 @@
 """A scripted worker on the engine link's ZeroMQ sockets, for in-process schedulers
-(tests/scheduler/test_openai_api.py, tests/scheduler/test_security.py).
+(tests/support/door_harness.py, tests/scheduler/test_security.py).
 
 Its plans go through the real worker's checks (``tests/support/fake_worker.py``);
 its "model" spells ``PLAIN`` then EOS, or, in a chunk the scheduler marks as
