@@ -17,13 +17,14 @@ from typing import Any
 import grpc
 import openai
 
+from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.api.http.app import OpenAIServer
 from jitney.scheduler.api.servicer import GenerationServicer
 from jitney.scheduler.core.worker_link import WorkerLink
 from jitney.scheduler.lifecycle import Lifecycle
 from jitney.scheduler.main import SchedulerProcessConfig, _make_engine
 from jitney.v1 import generation_pb2_grpc as pb_grpc
-from tests.support.scripted_worker import ScriptedWorker, serve_worker
+from tests.support.scripted_worker import READY, ScriptedWorker, serve_worker
 from tests.support.waiting import wait_for
 
 
@@ -35,10 +36,11 @@ class Harness:
     """What `jitney scheduler --openai-port` runs, minus signals: the OpenAI door
     (``client``) and the gRPC door (``stub``) over one servicer."""
 
-    def __init__(self, tmp: Path, tokenizer: Any, *, max_queued: int = 2) -> None:
+    def __init__(self, tmp: Path, tokenizer: Any, *, max_queued: int = 2,
+                 ready: engine_pb2.Ready = READY) -> None:
         self.max_queued = max_queued
         self.tokenizer = tokenizer
-        self.worker = ScriptedWorker(tokenizer)
+        self.worker = ScriptedWorker(tokenizer, ready)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
