@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jitney.v1 import generation_pb2
+from jitney.scheduler.api.template_kwargs import parse_template_kwargs
 from jitney.scheduler.core.request import InvalidRequestError, SamplingOptions, ValidatedRequest
 
 # A transformers tokenizer (PreTrainedTokenizerBase).
@@ -158,22 +159,32 @@ def _render_chat(
             f"{field}.messages",
             f"contents have {chars} characters, more than the limit {limits.max_prompt_chars}",
         )
-    return _apply_chat_template(tokenizer, messages, field)
+    variables = parse_template_kwargs(chat.chat_template_kwargs, tokenizer,
+                                      f"{field}.chat_template_kwargs")
+    return _apply_chat_template(tokenizer, messages, field, variables)
 
 
 def _apply_chat_template(
-    tokenizer: Tokenizer, messages: Sequence[generation_pb2.ChatMessage], field: str
+    tokenizer: Tokenizer, messages: Sequence[generation_pb2.ChatMessage], field: str,
+    variables: Mapping[str, Any],
 ) -> list[int]:
-    """The chat template with the assistant turn opened, as token ids."""
+    """The chat template with the assistant turn opened, as token ids;
+    ``variables`` are the request's extra template variables."""
     from jinja2.exceptions import TemplateError
 
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
         out = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True
+            conversation, add_generation_prompt=True, tokenize=True, **variables
         )
     except TemplateError as e:  # the template's own raise_exception(...)
         raise InvalidRequestError(f"{field}.messages", f"rejected by the chat template: {e}") from e
+    except (TypeError, ValueError, ArithmeticError, LookupError) as e:
+        if not variables:   # the served template's own fault: not the request's
+            raise
+        # A request's variable of a type the template cannot use (a string where it adds numbers).
+        raise InvalidRequestError(f"{field}.chat_template_kwargs",
+                                  f"rejected by the chat template: {type(e).__name__}: {str(e)[:120]}") from e
     # transformers 5 returns a BatchEncoding; 4.x a plain list.
     ids = out["input_ids"] if not isinstance(out, list) else out
     return [int(t) for t in ids]

@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP API (``--openai-port``, scheduler/api/http/)
 through the official ``openai`` client.
 
-Fast and in-process: the scheduler's real pieces (GenerationServicer and its
-ServingState, Lifecycle, Engine, validation, WorkerLink on ZeroMQ ipc
-sockets) run in a background event loop, and a scripted worker answers on
+Fast and in-process: the scheduler's real pieces run in a background event
+loop (``tests/support/door_harness.py``), and a scripted worker answers on
 the other end of the sockets (``tests/support/scripted_worker.py``). Its plans
 go through the real worker's checks (``tests/support/fake_worker.py``); its
 "model" spells ``PLAIN`` then EOS, or, in a chunk the scheduler marks as
@@ -15,112 +14,26 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from jitney.scheduler.main import SchedulerProcessConfig, _make_engine
+from jitney.scheduler.main import SchedulerProcessConfig
 from jitney.scheduler.core.detokenizer import TokenTexts
-from jitney.scheduler.api.http.app import OpenAIServer
 from jitney.scheduler.api.http.openai.protocol import ParsedRequest, openai_param, parse_request
-from jitney.scheduler.api.servicer import GenerationServicer
-from jitney.scheduler.lifecycle import Lifecycle
-from jitney.scheduler.core.worker_link import WorkerLink
-from tests.support.scripted_worker import (BLOCK, MODEL, PLAIN, SEATS, SYSTEM, VOCAB, ScriptedWorker,
-                                           make_tokenizer, serve_worker)
+from tests.support.door_harness import Harness
+from tests.support.scripted_worker import BLOCK, MODEL, PLAIN, SEATS, SYSTEM, VOCAB, make_tokenizer
 from tests.support.waiting import wait_for
 
 MAX_QUEUED = 2                   # --max-queued-requests
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
           "required": ["answer"], "additionalProperties": False}
-
-
-# -- the scheduler's side, in a background loop ---------------------------------
-
-
-async def _no_health(status: int) -> None:
-    return None
-
-
-class Harness:
-    """What `jitney scheduler --openai-port` runs, minus gRPC and signals."""
-
-    def __init__(self, tmp: Path, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.worker = ScriptedWorker(tokenizer)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self._start(tmp))
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused",
-                                    max_retries=0, timeout=20)
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 20) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def _start(self, tmp: Path) -> None:
-        self.link = WorkerLink(f"ipc://{tmp}/plan", f"ipc://{tmp}/result", worker_timeout=30)
-        self.servicer = GenerationServicer()
-        self.http = OpenAIServer(self.servicer)
-        self.port = await self.http.start("127.0.0.1", 0)
-        cfg = SchedulerProcessConfig(None, "127.0.0.1", 0, None, None, "continuous",
-                                     self.link.plan_addr, self.link.result_addr,
-                                     max_queued_requests=MAX_QUEUED)
-        self.stop = asyncio.Event()
-        self.life = Lifecycle(self.link, self.servicer, _no_health,
-                              lambda ready: _make_engine(cfg, self.link, self.tokenizer, ready, None),
-                              self.tokenizer, "test", 2.0, self.stop, asyncio.Event())
-        self.life_task = asyncio.create_task(self.life.run())
-        self.worker_task: asyncio.Task[None] | None = None
-
-    def start_worker(self) -> None:
-        async def spawn() -> None:
-            self.worker_task = asyncio.create_task(serve_worker(self.link, self.worker))
-        self.call(spawn())
-        wait_for(lambda: self.servicer.state is not None, timeout=10.0, interval=0.01)
-
-    def set_refusing(self, reason: str | None) -> None:
-        async def set_it() -> None:
-            self.servicer.refusing = reason
-        self.call(set_it())
-
-    def engine_load(self) -> tuple[int, int, int, int]:
-        """Requests in flight, running, waiting, and KV blocks held."""
-        async def read() -> tuple[int, int, int, int]:
-            assert self.servicer.state is not None
-            engine = self.servicer.state.engine
-            sched = engine.scheduler
-            return (engine.num_active, sched.num_running, sched.num_waiting,
-                    sched.block_manager.num_used_blocks)
-        return self.call(read())  # type: ignore[no-any-return]
-
-    def failures(self, code: str) -> float:
-        value = self.servicer.metrics.registry.get_sample_value("jitney:request_failure_total",
-                                                                {"code": code})
-        return value or 0.0
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.stop.set()
-            await asyncio.wait_for(self.life_task, 10)
-            await self.http.stop()
-            if self.worker_task is not None:
-                self.worker_task.cancel()
-                await asyncio.gather(self.worker_task, return_exceptions=True)
-            self.link.close()
-        try:
-            self.client.close()
-            self.call(stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +43,7 @@ def tokenizer() -> Any:
 
 @pytest.fixture(scope="module")
 def server(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    harness = Harness(tmp_path_factory.mktemp("ipc"), tokenizer)
+    harness = Harness(tmp_path_factory.mktemp("ipc"), tokenizer, max_queued=MAX_QUEUED)
     try:
         harness.start_worker()
         yield harness
@@ -178,7 +91,7 @@ def test_the_flag_reaches_the_scheduler_process() -> None:
 
 
 def test_unavailable_before_ready_and_while_draining(tokenizer: Any, tmp_path: Path) -> None:
-    harness = Harness(tmp_path, tokenizer)
+    harness = Harness(tmp_path, tokenizer, max_queued=MAX_QUEUED)
     try:
         for call in (harness.client.models.list,
                      lambda: harness.client.chat.completions.create(model=MODEL, messages=MESSAGES)):

@@ -1,5 +1,5 @@
 """A scripted worker on the engine link's ZeroMQ sockets, for in-process schedulers
-(tests/scheduler/test_openai_api.py, tests/scheduler/test_security.py).
+(tests/support/door_harness.py, tests/scheduler/test_security.py).
 
 Its plans go through the real worker's checks (``tests/support/fake_worker.py``);
 its "model" spells ``PLAIN`` then EOS, or, in a chunk the scheduler marks as
@@ -31,15 +31,16 @@ JSON_DOC = '{"answer": "yes"}'
 SYSTEM = "you are a jitney: pick up passengers anywhere along the route, then drop them off"
 
 
-def make_tokenizer() -> Any:
-    """A byte-level BPE of VOCAB tokens with a ChatML template (tests/support/tiny_models.py's, without torch)."""
+def make_tokenizer(extra_special: tuple[str, ...] = ()) -> Any:
+    """A byte-level BPE of VOCAB tokens with a ChatML template (tests/support/tiny_models.py's, without torch);
+    ``extra_special``: more special tokens, ids 3, 4, ..."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([PLAIN, JSON_DOC, SYSTEM, "the quick brown fox jumps over the lazy dog"] * 20,
                             trainer=trainer)
@@ -47,7 +48,8 @@ def make_tokenizer() -> Any:
     if missing > 0:
         tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                   additional_special_tokens=list(extra_special))
     fast.chat_template = (
         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
         "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -69,8 +71,8 @@ def allowed(mask: bytes, token: int) -> bool:
 class ScriptedWorker(FakeWorker):
     """Each sequence samples its script in order (cycling); see the module docstring."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        r = READY
+    def __init__(self, tokenizer: Any, ready: engine_pb2.Ready = READY) -> None:
+        self.ready = r = ready
         super().__init__(r.num_blocks, r.block_size, limits=PlanLimits(
             num_blocks=r.num_blocks, block_size=r.block_size, context_length=r.context_length,
             vocab_size=r.vocab_size, max_num_batched_tokens=r.max_num_batched_tokens,
@@ -126,7 +128,7 @@ async def serve_worker(link: WorkerLink, worker: ScriptedWorker) -> None:
     sockets = WorkerSockets(ctx, link.plan_addr, link.result_addr)
     heartbeat = engine_pb2.WorkerMessage(heartbeat=engine_pb2.Heartbeat(worker_pid=0))
     try:
-        await sockets.send(engine_pb2.WorkerMessage(ready=READY))
+        await sockets.send(engine_pb2.WorkerMessage(ready=worker.ready))
         plans: deque[engine_pb2.StepPlan] = deque()
         masks: dict[int, engine_pb2.StepMasks] = {}
         while True:

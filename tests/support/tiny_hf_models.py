@@ -1,6 +1,7 @@
 """Tiny random checkpoints of architectures Jitney has no native family for:
-the ones the transformers fallback serves (Starcoder2, GLM, Phi) and ones no
-path can serve (T5, Mamba, Gemma 2, a windowed Starcoder2), saved as real
+the ones the transformers fallback serves (Starcoder2, GLM, Phi, Granite, a
+windowed Starcoder2, VaultGemma) and ones no path can serve (T5, Mamba,
+StableLm), saved as real
 Hugging Face folders with ``tiny_models``' tokenizer. Seeded: the same
 arguments give the same files."""
 
@@ -35,10 +36,15 @@ def _configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
         "phi": (t.PhiConfig, t.PhiForCausalLM, dict(num_key_value_heads=4)),
         # logits divided by logits_scaling after the head
         "granite": (t.GraniteConfig, t.GraniteForCausalLM, dict(num_key_value_heads=2, logits_scaling=2.0)),
-        # no path: a window shorter than the context
+        # every layer windowed, 6 keys: shorter than most prompts of the fallback's tests
         "starcoder2-window": (t.Starcoder2Config, t.Starcoder2ForCausalLM, dict(num_key_value_heads=2,
-                                                                                sliding_window=64)),
-        # no path: attention soft-capping and sliding layers
+                                                                                sliding_window=6)),
+        # Gemma-like with no native family: windows of 5 on alternate layers, attention logits
+        # soft-capped at 3 (low enough that the cap changes them), final logits at 10
+        "vaultgemma": (t.VaultGemmaConfig, t.VaultGemmaForCausalLM, dict(
+            num_key_value_heads=2, head_dim=16, sliding_window=5, attn_logit_softcapping=3.0,
+            final_logit_softcapping=10.0, layer_types=["sliding_attention", "full_attention"])),
+        # served natively (models/gemma.py), not by the fallback
         "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
         # no path: its layers do not pass keyword arguments down to attention
         "stablelm": (t.StableLmConfig, t.StableLmForCausalLM, dict(num_key_value_heads=2)),

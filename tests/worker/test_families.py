@@ -18,11 +18,13 @@ import torch
 
 from tests.support.invariance_driver import BatchDriver, Request, first_difference, preempt_by_position, run_alone
 from tests.support.runner_driver import BLOCK, scenario
-from tests.support.tiny_models import (make_tiny_gemma, make_tiny_gpt_oss, make_tiny_mixtral, make_tiny_phi3,
-                                       make_tiny_qwen3, make_tiny_qwen3_moe)
+from tests.support.tiny_models import (make_tiny_gemma, make_tiny_gpt_oss, make_tiny_llama, make_tiny_mixtral,
+                                       make_tiny_phi3, make_tiny_qwen3, make_tiny_qwen3_moe)
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 # name -> (maker, the family module expected to serve it)
 FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "qwen3": (make_tiny_qwen3, "qwen3"),
@@ -35,6 +37,9 @@ FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "gemma3": (lambda p: make_tiny_gemma(p, version=3, window=5), "gemma"),
     # windows of 6 keys and full layers, sinks, biases everywhere, 3 of 8 experts, clamped SwiGLU, YaRN
     "gpt-oss": (make_tiny_gpt_oss, "gpt_oss"),
+    # head_dim 16, theta 1e4: wavelengths 6.3, 20, 63, 199, ...; against 64 / 4 and 64 / 1 one
+    # frequency is kept, two are blended and five slowed by 8 (test_llama3_rope_frequencies_are_transformers)
+    "llama3-rope": (lambda p: make_tiny_llama(p, rope_parameters=LLAMA3_ROPE, seed=3), "llama"),
 }
 PROMPTS = [(5, 17, 42), tuple(range(30, 53)), tuple((7 * i) % 311 + 3 for i in range(45)), (300, 2, 19, 77, 140),
            tuple(range(30, 45)) + (9, 9)]
@@ -127,6 +132,30 @@ def test_longrope_takes_each_tokens_factors_by_its_own_position(models: dict[str
     assert torch.equal(freqs[:2], positions[:2, None].float() * short) and torch.equal(freqs[2:], positions[2:, None].float() * long)
     cos, _ = runner.model.ops.rope_inputs(positions, torch.float32)
     torch.testing.assert_close(cos[0], torch.full_like(cos[0], factor))     # cos(0) scaled
+
+
+def test_llama3_rope_frequencies_are_transformers(models: dict[str, Path]) -> None:
+    """Llama 3.x's frequency scaling against transformers' own, for the tiny model (all three
+    bands: kept, blended, slowed) and for Llama 3.1 8B's head (128, theta 5e5, 8192)."""
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    runner = _runner(models["llama3-rope"], "float32")
+    hf = AutoConfig.from_pretrained(str(models["llama3-rope"]))
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    assert torch.equal(runner.model.ops.rotary.inv_freq, want)
+    ratio = (plain / want).tolist()
+    assert ratio[0] == 1.0 and all(1.0 < r < 8.0 for r in ratio[1:3]) and ratio[3:] == pytest.approx([8.0] * 5)
+
+    from jitney.worker.layers.rotary import rope_inv_freq
+    from jitney.worker.models.config import rope_from_hf
+
+    big = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    theta, scaling = rope_from_hf(big)
+    assert torch.equal(rope_inv_freq(128, theta, scaling), ROPE_INIT_FUNCTIONS["llama3"](big, "cpu")[0])
 
 
 def test_the_experts_torch_loop_matches_the_cpu_kernel() -> None:

@@ -37,7 +37,7 @@ from jitney.worker.config import DType, WorkerConfig
 from jitney.worker.layers.reduce import no_reduce
 from jitney.worker.loading.loader import load_hf_config, load_model, model_config_from_hf
 from jitney.worker.loading.weights_cache import WeightsCache
-from jitney.worker.models import llama, registry
+from jitney.worker.models import hf_attention, llama, registry
 from jitney.worker.models import transformers as fallback
 from jitney.worker.models.config import UnsupportedModelError
 from jitney.worker.runner.model_runner import ModelRunner
@@ -55,6 +55,7 @@ PROMPTS: list[tuple[int, ...]] = [
 ]
 # Arrivals: three at once, three two steps later; preemptions at steps 4 and 9.
 PREEMPT = {4: [0], 9: [1]}
+WINDOWED_KINDS = ("starcoder2-window", "vaultgemma")
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +102,6 @@ def test_unregistered_causal_lms_go_to_transformers_and_llama_stays_native(model
     ("t5", {"architectures": ["T5ForConditionalGeneration"]}, "encoder-decoder"),
     ("mamba", {"architectures": ["MambaForCausalLM"]}, "layers of type linear_attention"),
     ("jamba", {"architectures": ["JambaForCausalLM"]}, "layers of type linear_attention"),
-    ("starcoder2", {"architectures": ["Starcoder2ForCausalLM"], "sliding_window": 512,
-                    "max_position_embeddings": 4096}, "sliding-window attention (512 of 4096"),
     ("gpt2", {"architectures": ["GPT2LMHeadModel"]}, "only *ForCausalLM"),
     ("starcoder2", {"architectures": ["MyOwnForCausalLM"], "auto_map": {"AutoModelForCausalLM": "m.MyOwn"}},
      "auto_map"),
@@ -170,6 +169,25 @@ def test_greedy_tokens_equal_transformers_generate_under_chunking_preemption_and
         assert [out[i].tokens for i in range(len(requests))] == want, (kind, budget)
         assert any(o.preempted_after for o in out.values()) and any(o.cached_tokens for o in out.values())
         assert any(s.decodes and s.tokens > s.decodes for s in driver.steps)   # prefill chunks beside decodes
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["invariant-kernels", "torch"])
+@pytest.mark.parametrize("kind", WINDOWED_KINDS)
+def test_windows_and_soft_caps_reach_the_paged_attention(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, batch_invariant: bool) -> None:
+    """Starcoder2 windowed on every layer, VaultGemma on alternate layers with soft-capped
+    attention logits: windows (6, 5) shorter than most prompts, so transformers' greedy ids
+    are reproduced only if each layer's window and cap reach ``backend.attend``."""
+    path = make_tiny_hf(tmp_path / kind, kind)
+    assert registry.family_for(load_hf_config(resolve_model(path))) is fallback
+    requests = [Request(p, MAX_TOKENS) for p in PROMPTS]
+    want = generate_reference(path, [list(p) for p in PROMPTS], MAX_TOKENS)
+    _, out = batched(path, requests, 3, batch_invariant=batch_invariant)
+    assert [out[i].tokens for i in range(len(requests))] == want
+    # With the features dropped, the load's probe (8 tokens, past both windows) sees it.
+    monkeypatch.setattr(hf_attention, "_features", lambda *a: {})
+    with pytest.raises(UnsupportedModelError, match="logits differ from transformers"):
+        runner(path, batch_invariant=batch_invariant, use_weights_cache=False)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

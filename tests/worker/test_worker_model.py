@@ -10,6 +10,7 @@ the fp32 reference and logits stay within atol 2.0 (observed: ~1.2).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ from tests.support.tiny_models import make_tiny_llama, make_tiny_qwen2
 from jitney.worker.kernels.cpu.packed import PackedLinear, pack_linears, packing_supported
 from jitney.worker.attention.backend import AttentionMetadata
 from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache
-from jitney.worker.loading.loader import UnsupportedModelError, load_hf_config, load_model, model_config_from_hf
+from jitney.common.model_files import resolve_model
+from jitney.worker.loading.loader import (UnsupportedModelError, load_hf_config, load_model, model_config_from_hf,
+                                          source_facts)
 from jitney.worker.models.llama import CausalLM
 
 CPU = torch.device("cpu")
@@ -165,6 +168,21 @@ def test_model_facts_and_length_cap(tmp_path: Path) -> None:
     path = make_tiny_llama(tmp_path / "m", max_position_embeddings=128)
     _, facts = load_model(str(path), torch.float32, CPU, max_model_len=100)
     assert (facts.name, facts.vocab_size, facts.context_length, facts.eos_token_ids) == ("m", 320, 100, (2,))
+
+
+def test_eos_ids_are_the_configs_the_generation_configs_and_the_tokenizers(tmp_path: Path) -> None:
+    """A chat model's generation_config.json lists its end-of-turn token next to
+    the base EOS (Gemma 3: [1, 106]); every one of them, and the tokenizer's
+    eos_token, ends a sequence."""
+    path = make_tiny_llama(tmp_path / "m")                    # config.json: eos 2
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [7, 2, 11]}))
+    tok = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**tok, "eos_token": "<|endoftext|>"}))  # id 0
+    assert source_facts(resolve_model(path), load_hf_config(resolve_model(path))).eos_token_ids == (2, 7, 11, 0)
+    (path / "generation_config.json").unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps({**tok, "eos_token": "not-a-token"}))
+    assert source_facts(resolve_model(path), load_hf_config(resolve_model(path))).eos_token_ids == (2,)
 
 
 @pytest.fixture(scope="module")

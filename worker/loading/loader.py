@@ -2,12 +2,13 @@
 
 Two sources: a Hugging Face folder (``config.json`` + ``*.safetensors``) or a
 GGUF file (de-quantised by transformers' GGUF reader). Never pickle: ``.bin``
-checkpoints are refused. The tokenizer is not loaded here unless the config
-names no end-of-sequence token.
+checkpoints are refused. The tokenizer is not loaded here unless neither the
+configs nor the tokenizer's files name an end-of-sequence token.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -72,18 +73,37 @@ def cap_context(facts: ModelFacts, max_model_len: int | None) -> ModelFacts:
 
 
 def _eos_token_ids(files: ModelFiles, hf: Any) -> tuple[int, ...]:
+    """Every id that ends a sequence: config.json's, generation_config.json's
+    (a list where chat models end turns with another token than the base
+    model's EOS: Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``) and the
+    tokenizer's ``eos_token``, in that order, each once."""
     ids: list[int] = []
-    for source in (hf, _generation_config(files)):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
+    for value in (getattr(hf, "eos_token_id", None), getattr(_generation_config(files), "eos_token_id", None),
+                  _tokenizer_eos_id(files)):
         for token in [value] if isinstance(value, int) else (value or []):
-            if token not in ids:
+            if int(token) not in ids:
                 ids.append(int(token))
     if not ids:
         # Slow path (a GGUF tokenizer conversion takes seconds): only when
-        # neither config names an EOS token.
+        # neither config nor the tokenizer's files name an EOS token.
         eos = load_tokenizer(files).eos_token_id
         ids = [int(eos)] if eos is not None else []
     return tuple(ids)
+
+
+def _tokenizer_eos_id(files: ModelFiles) -> int | None:
+    """The id of a Hugging Face folder's tokenizer ``eos_token``, read from its
+    files (tokenizer_config.json names it; tokenizer.json's added tokens give
+    its id) without building the tokenizer; None where they do not say."""
+    config, vocab = files.directory / "tokenizer_config.json", files.directory / "tokenizer.json"
+    if files.gguf_file is not None or not (config.is_file() and vocab.is_file()):
+        return None
+    eos = json.loads(config.read_text()).get("eos_token")
+    content = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(content, str):
+        return None
+    added = json.loads(vocab.read_text()).get("added_tokens") or []
+    return next((int(t["id"]) for t in added if t.get("content") == content), None)
 
 
 def _generation_config(files: ModelFiles) -> Any:

@@ -10,7 +10,9 @@ keyword arguments the model's forward was given. The fallback
 ``jitney_step`` keyword, which transformers passes down to here. Its
 ``attention_mask`` is None: transformers builds no mask for a function it
 has no mask function for (``masking_utils._preprocess_mask_arguments``), and
-the paged backend's causal mask follows the step's metadata instead.
+the paged backend's causal mask follows the step's metadata instead. The
+layer's own ``sliding_window``, ``softcap`` and sinks, which transformers'
+modules pass as keywords, go to ``backend.attend`` (every backend honours them).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class PagedStep:
     meta: AttentionMetadata
     cache: PagedKVCache
     backend: AttentionBackend
-    max_window: int                    # a sliding window at least this long never slides
+    max_window: int                    # a sliding window at least this long never slides: no window
     attended: list[int] = field(default_factory=list)
 
 
@@ -54,7 +56,8 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if jitney_step is None:
         raise StepNotPassed(f"{type(module).__name__} was called without the step's jitney_step: its layers do "
                             "not pass the forward's keyword arguments down to attention")
-    _refuse_unsupported(module, kwargs, jitney_step.max_window)
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedModelError(f"{type(module).__name__}: non-causal attention is not supported")
     step = jitney_step
     layer = int(getattr(module, "layer_idx"))
     step.attended.append(layer)
@@ -64,22 +67,26 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     q = query[0].transpose(0, 1).to(k_cache.dtype).contiguous()
     step.backend.write_kv(key[0].transpose(0, 1).to(k_cache.dtype).contiguous(),
                           value[0].transpose(0, 1).to(v_cache.dtype).contiguous(), k_cache, v_cache, step.meta)
-    out = step.backend.attend(q, k_cache, v_cache, step.meta, scaling if scaling is not None else q.shape[-1] ** -0.5)
+    out = step.backend.attend(q, k_cache, v_cache, step.meta, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                              **_features(kwargs, module, step.max_window, q.device))
     return out.to(value.dtype)[None], None
 
 
-def _refuse_unsupported(module: nn.Module, kwargs: dict[str, Any], max_window: int) -> None:
-    """What the paged backends cannot do, should a config check have let it through."""
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedModelError(f"{type(module).__name__}: attention logit soft-capping is not supported")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise UnsupportedModelError(f"{type(module).__name__}: attention sinks are not supported")
+def _features(kwargs: dict[str, Any], module: nn.Module, max_window: int, device: torch.device) -> dict[str, Any]:
+    """The layer's sliding window, logit soft cap and sinks as ``backend.attend`` takes them,
+    from what transformers' attention modules pass: ``sliding_window`` (per module: None on
+    a global layer of a model that interleaves them), ``softcap``, and gpt-oss's sinks
+    (``s_aux``, one logit per query head). A window the context never fills is none."""
     window = kwargs.get("sliding_window")
-    if window is not None and int(window) < max_window:
-        raise UnsupportedModelError(f"{type(module).__name__}: sliding-window attention ({window} tokens) is "
-                                    "not supported by Jitney's paged attention")
-    if not getattr(module, "is_causal", True):
-        raise UnsupportedModelError(f"{type(module).__name__}: non-causal attention is not supported")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    return {
+        "window": int(window) if window is not None and int(window) < max_window else None,
+        "softcap": float(softcap) if softcap is not None else None,
+        "sinks": sinks.detach().to(device=device, dtype=torch.float32) if sinks is not None else None,
+    }
 
 
 def register() -> None:

@@ -15,9 +15,10 @@ Refused, with ``UnsupportedModelError`` naming the architecture and what is
 missing (``refusal``): encoder-decoders, anything whose layers are not all
 attention (recurrent, state-space, hybrid: ``layer_types`` other than
 full/sliding attention, attention modules without ``layer_idx`` or fewer of
-them than layers), a sliding window shorter than the context (the paged
-backends cannot window yet), attention logit soft-capping, ALiBi,
-pre-quantized checkpoints, remote code, tensor parallelism. At load a probe
+them than layers), ALiBi, pre-quantized checkpoints, remote code, tensor
+parallelism. A layer's sliding window, attention logit soft cap and sinks,
+as its transformers module passes them, are the paged backend's own
+(``hf_attention._features``). At load a probe
 (``_probe``) runs a short prompt in two chunks through the paged path and
 through transformers' eager attention and refuses the model when the
 logits differ: what the checks above cannot see (positions taken from
@@ -77,25 +78,16 @@ def refusal(hf: Any) -> str | None:
     kinds = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
     if kinds:
         return f"it has layers of type {', '.join(kinds)}; only attention layers are supported"
-    return _window_problem(text) or _feature_problem(hf, text)
+    return _context_problem(text) or _feature_problem(hf, text)
 
 
-def _window_problem(text: Any) -> str | None:
-    window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    slides = ("sliding_attention" in types) if types else bool(getattr(text, "use_sliding_window", True))
-    context = getattr(text, "max_position_embeddings", None)
-    if context is None:
+def _context_problem(text: Any) -> str | None:
+    if getattr(text, "max_position_embeddings", None) is None:
         return "its config has no max_position_embeddings (the context length)"
-    if window and slides and int(window) < int(context):
-        return (f"sliding-window attention ({window} of {context} positions) is not supported: "
-                "Jitney's paged attention cannot window yet")
     return None
 
 
 def _feature_problem(hf: Any, text: Any) -> str | None:
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping is not supported"
     if getattr(text, "alibi", False) or getattr(getattr(text, "attn_config", None), "alibi", False):
         return "ALiBi position biases are not supported"
     if getattr(hf, "quantization_config", None):

@@ -21,7 +21,8 @@ Decisions (the OpenAI API leaves them to the server, or Jitney differs):
     ``developer`` is ``system``; tool and function messages are refused.
   * vLLM's extra arguments: ``top_k`` (-1 or 0 = off), ``min_p``,
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-    ``stop_token_ids``, and Jitney's ``priority`` and ``cache_salt``.
+    ``stop_token_ids``, ``chat_template_kwargs`` (chat: variables for the
+    chat template), and Jitney's ``priority`` and ``cache_salt``.
   * Deadline: the optional ``X-Request-Timeout`` header (seconds), capped by
     ``--max-request-seconds`` as a gRPC deadline is; past it: 504.
 
@@ -80,7 +81,7 @@ _COMMON_ARGS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "priority", "cache_salt",
 })
-_CHAT_ARGS = _COMMON_ARGS | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_ARGS = _COMMON_ARGS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
 _COMPLETION_ARGS = _COMMON_ARGS | {"prompt", "echo", "best_of", "suffix"}
 
 # OpenAI arguments Jitney does not implement: refused unless null or one of
@@ -190,6 +191,7 @@ def parse_request(body: Any, *, chat: bool, defaults: SamplingDefaults | None = 
     p, s = out.params, out.params.sampling
     if chat:
         _chat_messages(args, p)
+        _chat_template_kwargs(args, p)
     else:
         _completion_prompt(args, p)
     out.stream = _bool(args, "stream") or False
@@ -273,6 +275,20 @@ def _chat_messages(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
                 continue
             raise _bad(f"{where}.{key}", "is not supported by Jitney", code="unsupported_parameter")
         p.chat.messages.add(role=_CHAT_ROLES[role], content=_content(m.get("content"), where))
+
+
+def _chat_template_kwargs(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
+    """vLLM's ``chat_template_kwargs``, as the JSON text the gRPC door takes too; its keys
+    and sizes are checked with the chat (scheduler/api/template_kwargs.py)."""
+    value = args.get("chat_template_kwargs")
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _bad("chat_template_kwargs", "must be an object of template variables")
+    try:
+        p.chat.chat_template_kwargs = json.dumps(value)
+    except (ValueError, RecursionError):
+        raise _bad("chat_template_kwargs", "is nested too deeply") from None
 
 
 def _content(content: Any, where: str) -> str:
@@ -464,7 +480,7 @@ def openai_param(proto_field: str, parsed: ParsedRequest) -> str:
         rest = rest.removeprefix("sampling.")
         head, sep, tail = rest.partition("[")
         return parsed.names.get(head, head) + sep + tail
-    if rest.startswith("chat.messages"):
+    if rest.startswith(("chat.messages", "chat.chat_template_kwargs")):
         return rest.removeprefix("chat.")
     if rest.startswith("chat"):
         return "messages"
