@@ -117,9 +117,7 @@ class DecoderLayer(llama.DecoderLayer):
         if cfg.attn_scale:
             self.self_attn.scale = cfg.attn_scale
         types = cfg.layer_types or ("full_attention",) * cfg.num_layers
-        self.sliding = types[self.index] == SLIDING
-        if self.sliding:
-            self.attend["window"] = cfg.sliding_window
+        self.sliding = types[self.index] == SLIDING   # (llama's layer set its window)
         if cfg.attn_logit_softcap:
             self.attend["softcap"] = cfg.attn_logit_softcap
 
