@@ -38,7 +38,7 @@ Sliding windows (``window`` > 0: every layer of the model attends at most
 p reads keys ``[p - window + 1, p]``, so once a request's next position is q,
 its blocks before ``window_start(q)`` are never read again, by any layer:
 
-    table entry i < window_start(num_computed_tokens)   -> released (NULL_BLOCK)
+    table entry i < window_start(num_computed_tokens)   -> released (null_block)
     table entry i >= it                                 -> held (ref >= 1)
 
 ``release_before_window`` drops them (ref - 1; a keyed one stays in the prefix
