@@ -212,7 +212,7 @@ class ModelRunner:
         """The largest of the layers' windows when every layer has one (the
         scheduler then releases blocks before it), else 0."""
         layers = getattr(getattr(self.model, "model", None), "layers", None) or []
-        windows = [getattr(layer, "attend", {}).get("window") for layer in layers]
+        windows = [int(getattr(layer, "attend", {}).get("window") or 0) for layer in layers]
         return max(windows) if windows and all(windows) else 0
 
     @property
