@@ -24,7 +24,7 @@ from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
 from jitney.scheduler.security.keys import KeyLimiter
-from jitney.scheduler.core.config import SchedulerConfig, SchedulingPolicy
+from jitney.scheduler.core.config import SchedulerConfig, SchedulingPolicy, max_model_len_for
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.engine import Engine
 from jitney.common.model_files import (ModelFiles, ModelNotFoundError, ModelSettingsError, cache_root,
@@ -315,13 +315,15 @@ def _door_security(security: ServerSecurity) -> str:
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,
                  ready: engine_pb2.Ready, tracer: StepTracer | None) -> Engine:
+    budget = _step_limit("max_num_batched_tokens", cfg.max_num_batched_tokens, ready.max_num_batched_tokens)
     sched_cfg = SchedulerConfig(
         max_num_seqs=_step_limit("max_num_seqs", cfg.max_num_seqs, ready.max_num_seqs),
-        max_num_batched_tokens=_step_limit("max_num_batched_tokens", cfg.max_num_batched_tokens,
-                                           ready.max_num_batched_tokens),
+        max_num_batched_tokens=budget,
         block_size=ready.block_size,
         num_blocks=ready.num_blocks,
-        max_model_len=min(ready.context_length, ready.num_blocks * ready.block_size),
+        max_model_len=max_model_len_for(ready.context_length, ready.num_blocks, ready.block_size,
+                                        ready.sliding_window, budget),
+        sliding_window=ready.sliding_window,
         policy=cfg.policy,
         enable_prefix_caching=cfg.prefix_cache,
     )

@@ -275,7 +275,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.GetServerStatsResponse(
             requests_running=sched.num_running,
             requests_waiting=sched.num_waiting,
-            kv_blocks_total=engine.config.num_blocks,
+            kv_blocks_total=sched.block_manager.num_blocks,   # the pool: a null block is not one
             kv_blocks_used=sched.block_manager.num_used_blocks,
             steps=engine.num_steps,
             preemptions=engine.num_preemptions,

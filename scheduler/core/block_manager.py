@@ -32,6 +32,24 @@ its parent key and token ids, and every hit is checked against them.
   only when ``_free`` is empty, least recently released first, and lose their
   key then. A cached block is full, so nobody ever writes it again: new
   tokens land only in blocks a single request owns.
+
+Sliding windows (``window`` > 0: every layer of the model attends at most
+``window`` keys back, the largest window of its layers). A query at position
+p reads keys ``[p - window + 1, p]``, so once a request's next position is q,
+its blocks before ``window_start(q)`` are never read again, by any layer:
+
+    table entry i < window_start(num_computed_tokens)   -> released (null_block)
+    table entry i >= it                                 -> held (ref >= 1)
+
+``release_before_window`` drops them (ref - 1; a keyed one stays in the prefix
+cache, idle), leaving ``null_block`` in the table: an id the pool never hands
+out (the last one), so the worker's gathers always index a real block, which
+no attention reads (a window skips blocks wholly before it, and their table
+entries). A request then holds about ``cdiv(window + chunk, block_size) + 1``
+blocks, however long it grows. A prefix hit at block h needs only the blocks
+its first query reads, ``[window_start(h * block_size), h)``, cached; the
+entries before are null. Keys still chain over every token, so a hit names
+the whole prefix.
 """
 
 from __future__ import annotations
@@ -68,15 +86,20 @@ class BlockManager:
 
     A fresh pool hands out the lowest ids first (0, 1, 2, ...); freed blocks go
     to the back of their queue, so a block's reuse is as late as possible.
+    ``num_blocks`` is the worker's; with a ``window`` the last one is the null
+    block, outside the pool (``num_blocks`` then reports one fewer).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+                 enable_prefix_caching: bool = True, window: int = 0) -> None:
+        if num_blocks < 1 + (window > 0) or block_size < 1 or window < 0:
+            raise ValueError(f"num_blocks ({num_blocks}) must be >= 1 (2 with a window), block_size "
+                             f"({block_size}) >= 1 and window ({window}) >= 0")
         self._block_size = block_size
         self._enabled = enable_prefix_caching
+        self._window = window
+        num_blocks -= window > 0
+        self.null_block = num_blocks if window else -1   # -1: no null block without a window
         self._ref_counts: list[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -92,7 +115,17 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the pool (the null block not counted)."""
         return len(self._ref_counts)
+
+    @property
+    def window(self) -> int:
+        """Every layer's window is at most this (0: some layer reads everything)."""
+        return self._window
+
+    def window_start(self, position: int) -> int:
+        """The first block a query at ``position`` (or any later one) reads."""
+        return max(0, position - self._window + 1) // self._block_size if self._window else 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,8 +184,32 @@ class BlockManager:
         shared, so they are released (and later evicted) first.
         """
         for block_id in reversed(request.block_ids):
-            self._release_block(block_id)
+            if block_id != self.null_block:
+                self._release_block(block_id)
         request.block_ids.clear()
+
+    def release_before_window(self, request: Request) -> int:
+        """Release the blocks no later query of ``request`` reads (before the
+        window of position ``num_computed_tokens``); returns how many.
+
+        Oldest first, so the prefix cache evicts them in that order. Entries
+        before the first null are released already (released ones form a prefix).
+        """
+        ids = request.block_ids
+        end = min(self.window_start(request.num_computed_tokens), len(ids))
+        begin = end
+        while begin > 0 and ids[begin - 1] != self.null_block:
+            begin -= 1
+        for i in range(begin, end):
+            self._release_block(ids[i])
+            ids[i] = self.null_block
+        return end - begin
+
+    def covers_window(self, blocks: Sequence[int]) -> bool:
+        """Whether a table prefix of ``blocks`` holds every block a query just
+        past it reads (no null entry from its window's first block on)."""
+        start = self.window_start(len(blocks) * self._block_size)
+        return self.null_block not in blocks[start:]
 
     # -- prefix cache ------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -165,19 +222,39 @@ class BlockManager:
             return []
         max_blocks = (request.num_tokens - 1) // self._block_size
         tokens = request.all_token_ids if max_blocks else []
+        if self._window:
+            return self._find_windowed_prefix(request, max_blocks, tokens)
         hits: list[int] = []
         for i in range(max_blocks):
-            key = self._block_key(request, i, tokens)
-            block_id = self._index.get(key)
-            if block_id is None or not self._holds(block_id, request, i, tokens):
+            block_id = self._cached_block(request, i, tokens)
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
+    def _find_windowed_prefix(self, request: Request, max_blocks: int, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of h blocks whose window blocks ``[window_start(h
+        * block_size), h)`` are all cached (earlier ones may have been evicted):
+        null entries, then those blocks."""
+        found: list[int | None] = []
+        best = run = 0     # run: cached blocks in a row ending at block i
+        for i in range(max_blocks):
+            found.append(self._cached_block(request, i, tokens))
+            run = run + 1 if found[i] is not None else 0
+            if run >= i + 1 - self.window_start((i + 1) * self._block_size):
+                best = i + 1
+        start = self.window_start(best * self._block_size)
+        return [self.null_block] * start + [b for b in found[start:best] if b is not None]
+
+    def _cached_block(self, request: Request, i: int, tokens: Sequence[int]) -> int | None:
+        """The cached block that holds the request's block ``i``, if any."""
+        block_id = self._index.get(self._block_key(request, i, tokens))
+        return block_id if block_id is not None and self._holds(block_id, request, i, tokens) else None
+
     def can_board(self, cached: Sequence[int], num_tokens: int) -> bool:
         """Whether a request with no blocks can attach ``cached`` and get
         new blocks for the rest of ``[0, num_tokens)``."""
-        idle = sum(1 for b in cached if self._ref_counts[b] == 0)
+        idle = sum(1 for b in cached if b != self.null_block and self._ref_counts[b] == 0)
         return cdiv(num_tokens, self._block_size) - len(cached) + idle <= self.num_free_blocks
 
     def attach_cached(self, request: Request, cached: Sequence[int]) -> None:
@@ -186,6 +263,8 @@ class BlockManager:
         if request.block_ids:
             raise AssertionError(f"seq {request.seq_id} boards holding blocks")
         for block_id in cached:
+            if block_id == self.null_block:
+                continue
             if self._ref_counts[block_id] == 0:
                 del self._evictable[block_id]
             self._ref_counts[block_id] += 1
@@ -197,10 +276,13 @@ class BlockManager:
     def share_blocks(self, request: Request, blocks: Sequence[int]) -> None:
         """Start the empty table of ``request`` with ``blocks`` that another
         running request holds (full, computed prompt blocks of an n > 1
-        parent): ref + 1 each, not counted as prefix-cache hits."""
+        parent): ref + 1 each, not counted as prefix-cache hits. Null entries
+        are copied as they are (``covers_window`` says whether that is enough)."""
         if request.block_ids:
             raise AssertionError(f"seq {request.seq_id} boards holding blocks")
         for block_id in blocks:
+            if block_id == self.null_block:
+                continue
             if self._ref_counts[block_id] < 1:
                 raise AssertionError(f"block {block_id} shared while idle")
             self._ref_counts[block_id] += 1
@@ -213,7 +295,8 @@ class BlockManager:
         The block before ``first_position`` is checked again: when steps
         overlap, its last token may have been a placeholder last time. A
         prefix already cached in another block (two requests computed it at
-        once) keeps that block; this one stays unkeyed.
+        once) keeps that block; this one stays unkeyed. A block released
+        already (a window shorter than a block) stays unkeyed too.
         """
         end = min(request.num_computed_tokens, request.num_tokens) // self._block_size
         begin = max(0, first_position // self._block_size - 1)
@@ -223,7 +306,7 @@ class BlockManager:
         for i in range(begin, end):
             key = self._block_key(request, i, tokens)
             block_id = request.block_ids[i]
-            if key in self._index or self._keys[block_id] is not None:
+            if block_id == self.null_block or key in self._index or self._keys[block_id] is not None:
                 continue
             self._index[key] = block_id
             self._keys[block_id] = key

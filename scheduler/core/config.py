@@ -48,6 +48,13 @@ class SchedulerConfig:
     request's seat stays empty meanwhile.
     ``sequential``: one request at a time."""
 
+    sliding_window: int = 0
+    """Every layer of the model attends at most this many keys back (its
+    layers' largest window; worker handshake): blocks wholly before a
+    request's window go back to the pool as it grows, and the last block is
+    the null block the released table entries point at. 0: some layer reads
+    the whole sequence, every block is kept."""
+
     enable_prefix_caching: bool = True
     """Share the KV blocks of common prompt prefixes between requests and keep
     finished requests' full blocks cached until their space is needed
@@ -57,6 +64,9 @@ class SchedulerConfig:
         for name in ("block_size", "num_blocks", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
             _require_positive_int(name, getattr(self, name))
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
+                or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0, got {self.sliding_window!r}")
         if self.policy not in POLICIES:
             raise ValueError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -64,12 +74,39 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                 f">= max_num_seqs ({self.max_num_seqs}) so every seat can decode")
-        capacity = self.num_blocks * self.block_size
-        if capacity < self.max_model_len:
+        needed = blocks_per_sequence(self.max_model_len, self.block_size, self.sliding_window,
+                                     self.max_num_batched_tokens)
+        if self.pool_blocks < needed:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks "
-                f"of {self.block_size}), fewer than max_model_len "
-                f"({self.max_model_len}); lower max_model_len")
+                f"the KV cache holds {self.pool_blocks * self.block_size} tokens ({self.pool_blocks} "
+                f"blocks of {self.block_size}), fewer than one sequence of max_model_len "
+                f"({self.max_model_len}) may hold ({needed} blocks, sliding window "
+                f"{self.sliding_window}); lower max_model_len")
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block of a windowed model."""
+        return self.num_blocks - (self.sliding_window > 0)
+
+
+def blocks_per_sequence(num_tokens: int, block_size: int, window: int = 0, chunk: int = 0) -> int:
+    """The most blocks one sequence of ``num_tokens`` holds at once, computed in
+    chunks of at most ``chunk`` tokens: all of them, or with a ``window`` the
+    blocks from its window's first up to its chunk's last."""
+    whole = -(-num_tokens // block_size)
+    if not window:
+        return whole
+    return min(whole, -(-(window + chunk) // block_size) + 1)
+
+
+def max_model_len_for(context_length: int, num_blocks: int, block_size: int, window: int = 0,
+                      chunk: int = 0) -> int:
+    """The context length a cache of ``num_blocks`` serves: the model's, or (a
+    cache too small for one whole sequence) what the cache holds."""
+    pool = num_blocks - (window > 0)
+    if blocks_per_sequence(context_length, block_size, window, chunk) <= pool:
+        return context_length
+    return max(1, min(context_length, pool * block_size))
 
 
 def _require_positive_int(name: str, value: object) -> None:

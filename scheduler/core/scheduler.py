@@ -83,7 +83,7 @@ class Scheduler:
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, window=config.sliding_window)
         self._eos_token_ids = eos_token_ids
         self._waiting: list[Request] = []       # sorted by _queue_key
         self._held: list[Request] = []          # n > 1 samples waiting for their parent's prompt
@@ -174,7 +174,9 @@ class Scheduler:
                 and not request.output_token_ids):
             # Full prompt blocks only, and the last token computed again: the
             # sample needs logits of its own (and writes its own last block).
-            return parent.block_ids[:(request.num_prompt_tokens - 1) // self.config.block_size], True
+            blocks = parent.block_ids[:(request.num_prompt_tokens - 1) // self.config.block_size]
+            if self.block_manager.covers_window(blocks):   # the parent may have released its window
+                return blocks, True
         if request.wants_prompt_logprobs:
             return [], False
         return self.block_manager.find_cached_prefix(request), False
@@ -189,7 +191,11 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue    # preempted earlier in this step
             num_new = min(self._num_schedulable(request), self._budget_left(output))
-            if num_new > 0 and self._make_room(request, num_new, output):
+            if num_new <= 0:
+                continue
+            # Released with a chunk only: the worker learns of it from that chunk's start.
+            self.block_manager.release_before_window(request)
+            if self._make_room(request, num_new, output):
                 self._schedule_chunk(request, num_new, output)
 
     def _num_schedulable(self, request: Request) -> int:
@@ -392,7 +398,10 @@ class Scheduler:
         _check(all(r.status is RequestStatus.RUNNING and len(r.block_ids) == cdiv(
             r.num_computed_tokens, self.config.block_size) for r in self._running),
             "a running request's table does not match its progress")
-        refs = Counter(b for r in self._running for b in r.block_ids)
+        null = self.block_manager.null_block
+        _check(all(null not in r.block_ids[self.block_manager.window_start(r.num_computed_tokens):]
+                   for r in self._running), "a running request lost a block its window reads")
+        refs = Counter(b for r in self._running for b in r.block_ids if b != null)
         _check(all(self.block_manager.ref_count(b) == n for b, n in refs.items())
                and len(refs) == self.block_manager.num_used_blocks,
                "ref counts do not match the block tables")

@@ -21,6 +21,14 @@ then reads positions other sequences wrote, so a wrong hit changes the
 output tokens.
 
     token sampled after position p = (sum(tokens[0..p]) * 31 + p + 1) % VOCAB
+
+With a ``window`` W (a model whose every layer is windowed) the fake model
+reads only the window, ``tokens[p - W + 1..p]``, through the table, and a
+sequence's table entries before its next chunk's window are dead: it holds
+them no longer (the scheduler has released them and may hand them to
+another sequence, or point them at the null block), so a block released
+too early is caught as a write to a block another sequence holds, or as
+different output tokens.
 """
 
 from __future__ import annotations
@@ -41,16 +49,16 @@ __all__ = ["VOCAB", "FakeWorker", "PlanError", "expected_token", "reference_outp
 VOCAB = 1000
 
 
-def expected_token(history: list[int]) -> int:
-    """The token the fake model samples after ``history``."""
-    return (sum(history) * 31 + len(history)) % VOCAB
+def expected_token(history: list[int], window: int = 0) -> int:
+    """The token the fake model samples after ``history`` (its last ``window`` tokens, if set)."""
+    return (sum(history[-window:] if window else history) * 31 + len(history)) % VOCAB
 
 
-def reference_output(prompt: list[int], num_tokens: int) -> list[int]:
+def reference_output(prompt: list[int], num_tokens: int, window: int = 0) -> list[int]:
     """What an uncontended run generates (no EOS, no stops)."""
     history = list(prompt)
     for _ in range(num_tokens):
-        history.append(expected_token(history))
+        history.append(expected_token(history, window))
     return history[len(prompt):]
 
 
@@ -64,7 +72,8 @@ class FakeWorker:
     ``for_config`` sets all of them as a real worker serving that config.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, limits: PlanLimits | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, limits: PlanLimits | None = None,
+                 window: int = 0) -> None:
         if limits is None:
             limits = PlanLimits(num_blocks=num_blocks, block_size=block_size,
                                 context_length=num_blocks * block_size, vocab_size=VOCAB,
@@ -72,6 +81,8 @@ class FakeWorker:
         assert (limits.num_blocks, limits.block_size) == (num_blocks, block_size)
         self.limits = limits
         self.block_size = block_size
+        self.window = window
+        self.live_from: dict[int, int] = {}      # seq_id -> first table entry it still holds
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.holders: dict[int, set[int]] = {}   # block id -> seq_ids holding it
         self.seqs: dict[int, SequenceState] = {}  # the real worker's per-sequence state
@@ -86,7 +97,7 @@ class FakeWorker:
             num_blocks=config.num_blocks, block_size=config.block_size,
             context_length=config.max_model_len, vocab_size=vocab_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs))
+            max_num_seqs=config.max_num_seqs), window=config.sliding_window)
 
     def execute(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
         """Run one plan; return one token per sampling chunk, in order.
@@ -120,18 +131,34 @@ class FakeWorker:
     def _release(self, seq_id: int) -> None:
         """Drop a freed sequence's hold on its blocks (before the diffs forget it)."""
         self.num_computed.pop(seq_id, None)
-        for block_id in self.seqs[seq_id].block_table:
+        self._drop_holds(seq_id, len(self.seqs[seq_id].block_table))
+        self.live_from.pop(seq_id, None)
+
+    def _drop_holds(self, seq_id: int, end: int) -> None:
+        """The sequence holds its table entries before ``end`` no longer."""
+        table = self.seqs[seq_id].block_table
+        for block_id in table[self.live_from.get(seq_id, 0):end]:
             self.holders[block_id].remove(seq_id)
             if not self.holders[block_id]:
                 del self.holders[block_id]
+        self.live_from[seq_id] = max(self.live_from.get(seq_id, 0), end)
+
+    def _window_start(self, position: int) -> int:
+        """The first table entry a query at ``position`` reads."""
+        return max(0, position - self.window + 1) // self.block_size if self.window else 0
 
     def _hold(self, chunk: engine_pb2.ScheduledChunk) -> None:
-        """Record the chunk's new blocks (already appended by the diffs) as held."""
-        table = self.seqs[chunk.seq_id].block_table
-        _require(len(set(table)) == len(table),
-                 f"seq {chunk.seq_id}: a block twice in its table {table}")
-        for block_id in chunk.new_block_ids:
-            self.holders.setdefault(block_id, set()).add(chunk.seq_id)
+        """Record the chunk's new blocks (already appended by the diffs) as
+        held, and drop the entries before its window (dead from now on)."""
+        sid, table = chunk.seq_id, self.seqs[chunk.seq_id].block_table
+        first_new = len(table) - len(chunk.new_block_ids)
+        live = max(self._window_start(chunk.start_position), self.live_from.get(sid, 0))
+        self._drop_holds(sid, min(live, first_new))    # first: a released block may come back here
+        self.live_from[sid] = live
+        for index in range(max(first_new, live), len(table)):
+            self.holders.setdefault(table[index], set()).add(sid)
+        _require(len(set(table[live:])) == len(table) - live,
+                 f"seq {sid}: a block twice in its table {table[live:]}")
 
     def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
         seq = self.seqs[chunk.seq_id]
@@ -151,7 +178,7 @@ class FakeWorker:
                  f"seq {chunk.seq_id}: table of {len(seq.block_table)} blocks for {computed} positions")
         if not chunk.sample:
             return None
-        seq.last_sampled = expected_token(self._read(chunk.seq_id))
+        seq.last_sampled = expected_token(self._read(chunk.seq_id), self.window)
         return seq.last_sampled
 
     def _write(self, seq_id: int, position: int, token: int) -> None:
@@ -166,8 +193,13 @@ class FakeWorker:
 
     def _read(self, seq_id: int) -> list[int]:
         table = self.seqs[seq_id].block_table
-        history: list[int] = []
-        for position in range(self.num_computed[seq_id]):
+        computed = self.num_computed[seq_id]
+        first = max(0, computed - self.window) if self.window else 0
+        history: list[int] = [0] * first     # never read: outside the window
+        for position in range(first, computed):
+            _require(self.holders.get(table[position // self.block_size]) is not None
+                     and seq_id in self.holders[table[position // self.block_size]],
+                     f"seq {seq_id}: position {position} read from a block it does not hold")
             slot = self.cache[table[position // self.block_size]][position % self.block_size]
             _require(slot is not None, f"seq {seq_id}: position {position} never written")
             history.append(slot)  # type: ignore[arg-type]

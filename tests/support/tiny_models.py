@@ -189,6 +189,20 @@ def make_tiny_phi3(path: Path, *, vocab_size: int = 320, seed: int = 0, longrope
     return _save(Phi3ForCausalLM(config).eval(), path, vocab_size)
 
 
+def make_tiny_mistral(path: Path, *, vocab_size: int = 320, seed: int = 0, window: int = 7) -> Path:
+    """A random fp32 MistralForCausalLM with tokenizer: every layer windowed (``window``
+    keys, shorter than the prompts and not a multiple of the block), context 256."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=window,
+        tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return _save(MistralForCausalLM(config).eval(), path, vocab_size)
+
+
 def make_tiny_mixtral(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path:
     """A random fp32 MixtralForCausalLM with tokenizer: 2 of 6 experts per token."""
     from transformers import MixtralConfig, MixtralForCausalLM

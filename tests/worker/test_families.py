@@ -18,8 +18,8 @@ import torch
 
 from tests.support.invariance_driver import BatchDriver, Request, first_difference, preempt_by_position, run_alone
 from tests.support.runner_driver import BLOCK, scenario
-from tests.support.tiny_models import (make_tiny_gemma, make_tiny_gpt_oss, make_tiny_llama, make_tiny_mixtral,
-                                       make_tiny_phi3, make_tiny_qwen3, make_tiny_qwen3_moe)
+from tests.support.tiny_models import (make_tiny_gemma, make_tiny_gpt_oss, make_tiny_llama, make_tiny_mistral,
+                                       make_tiny_mixtral, make_tiny_phi3, make_tiny_qwen3, make_tiny_qwen3_moe)
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
 
@@ -40,6 +40,8 @@ FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {
     # head_dim 16, theta 1e4: wavelengths 6.3, 20, 63, 199, ...; against 64 / 4 and 64 / 1 one
     # frequency is kept, two are blended and five slowed by 8 (test_llama3_rope_frequencies_are_transformers)
     "llama3-rope": (lambda p: make_tiny_llama(p, rope_parameters=LLAMA3_ROPE, seed=3), "llama"),
+    # every layer windowed (7 keys, block 4), prompts up to 45 tokens: served past its window
+    "mistral-window": (make_tiny_mistral, "llama"),
 }
 PROMPTS = [(5, 17, 42), tuple(range(30, 53)), tuple((7 * i) % 311 + 3 for i in range(45)), (300, 2, 19, 77, 140),
            tuple(range(30, 45)) + (9, 9)]

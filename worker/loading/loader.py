@@ -49,16 +49,10 @@ def model_facts(files: ModelFiles, hf: Any, max_model_len: int | None) -> ModelF
 
 def source_facts(files: ModelFiles, hf: Any) -> ModelFacts:
     """The model's facts as its files state them (no ``--max-model-len`` cap)."""
-    context = int(hf.max_position_embeddings)
-    window = getattr(hf, "sliding_window", None)
-    if window and (hf.model_type in ("mistral", "phi3") or getattr(hf, "use_sliding_window", False)):
-        # Capping the context at the window makes windowed attention exact
-        # without implementing it.
-        context = min(context, int(window))
     return ModelFacts(
         name=files.name,
         vocab_size=int(hf.vocab_size),
-        context_length=context,
+        context_length=int(hf.max_position_embeddings),
         eos_token_ids=_eos_token_ids(files, hf),
     )
 

@@ -117,9 +117,8 @@ class DecoderLayer(llama.DecoderLayer):
         if cfg.attn_scale:
             self.self_attn.scale = cfg.attn_scale
         types = cfg.layer_types or ("full_attention",) * cfg.num_layers
-        self.sliding = types[self.index] == SLIDING
+        self.sliding = types[self.index] == SLIDING   # (llama's layer set its window)
         if self.sliding:
-            self.attend["window"] = cfg.sliding_window
             self.rope = 1   # CausalLM.local_ops
         if cfg.attn_logit_softcap:
             self.attend["softcap"] = cfg.attn_logit_softcap

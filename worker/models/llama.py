@@ -72,6 +72,7 @@ def config_from_hf(hf: Any, family: str = "llama") -> ModelConfig:
         raise UnsupportedModelError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
     theta, scaling = rope_from_hf(hf)
     attention_bias = bool(getattr(hf, "attention_bias", False))
+    layer_types, window = _layer_windows(hf)
     return ModelConfig(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -90,7 +91,26 @@ def config_from_hf(hf: Any, family: str = "llama") -> ModelConfig:
         o_bias=model_type == "llama" and attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         family=family,
+        layer_types=layer_types,
+        sliding_window=window,
     )
+
+
+def _layer_windows(hf: Any) -> tuple[tuple[str, ...], int]:
+    """Each layer's attention type and the sliding layers' window, as transformers
+    applies them: every layer when the config has a ``sliding_window`` and no
+    ``layer_types`` (Mistral, Phi-3); the sliding ``layer_types`` otherwise
+    (Qwen2 with ``use_sliding_window``: from ``max_window_layers`` on). No
+    window: ``((), 0)``."""
+    window = int(getattr(hf, "sliding_window", None) or 0)
+    if not window:
+        return (), 0
+    types = tuple(getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers)
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != hf.num_hidden_layers:
+        raise UnsupportedModelError(f"layer_types {sorted(set(types))} ({len(types)} of {hf.num_hidden_layers} "
+                                    "layers) are not supported (sliding_attention, full_attention)")
+    return (types, window) if "sliding_attention" in types else ((), 0)
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +139,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, shard=shard)
         self.attend: dict[str, Any] = {}   # this layer's attention features (program.py's ATTEND)
         self.rope = 0   # which of the model's rotary tables (CausalLM.layer_ops) it rotates by
+        if cfg.sliding_window and cfg.layer_types and cfg.layer_types[index] == "sliding_attention":
+            self.attend["window"] = cfg.sliding_window
         self.add_parts(cfg)
         # run() indexes norms and linears without checks: the program is checked once, here
         check_program(self.PROGRAM, len(self.norms()), len(self.linears()))

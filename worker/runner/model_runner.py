@@ -204,7 +204,16 @@ class ModelRunner:
             quantization=self.config.quantization,
             model_implementation=self.implementation,
             batch_invariance_guaranteed=self.batch_invariant and self.implementation == "native",
+            sliding_window=self.sliding_window,
         )
+
+    @property
+    def sliding_window(self) -> int:
+        """The largest of the layers' windows when every layer has one (the
+        scheduler then releases blocks before it), else 0."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
+        windows = [int(getattr(layer, "attend", {}).get("window") or 0) for layer in layers]
+        return max(windows) if windows and all(windows) else 0
 
     @property
     def implementation(self) -> str:

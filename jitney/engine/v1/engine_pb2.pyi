@@ -119,7 +119,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., masks: _Optional[_Union[StepMasks, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "tensor_parallel_size", "quantization", "model_implementation", "batch_invariance_guaranteed")
+    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "tensor_parallel_size", "quantization", "model_implementation", "batch_invariance_guaranteed", "sliding_window")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class Ready(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANCE_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_name: str
     vocab_size: int
@@ -156,7 +157,8 @@ class Ready(_message.Message):
     quantization: str
     model_implementation: str
     batch_invariance_guaranteed: bool
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "worker_seconds", "model_seconds", "top_token_ids", "top_logprobs", "prompt_logprobs")
