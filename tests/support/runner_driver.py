@@ -108,7 +108,7 @@ def scenario(runner: ModelRunner) -> dict[str, Any]:
         logits.extend(rows.tolist())
         return sample(step, rows, *masks)
 
-    runner._sample = capture  # type: ignore[method-assign]
+    runner._sample = capture  # type: ignore[method-assign, assignment]
     driver = Driver(runner)
     driver.add(1, PROMPTS[1])
     driver.add(2, PROMPTS[2], temperature=0.8, seed=5)
