@@ -74,6 +74,11 @@ def _metadata(writer: Any, hf: Any, model_type: str) -> None:
     writer.add_pad_token_id(hf.pad_token_id if hf.pad_token_id is not None else 0)
 
 
+def quantised(name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``write_gguf`` stores HF tensor ``name`` in its ``dtype`` (else F32)."""
+    return tensor.dim() >= 2 and "norm" not in name and not name.endswith("mlp.gate.weight")
+
+
 def write_gguf(folder: Path, path: Path, *, dtype: str = "F32") -> Path:
     """The tiny model in ``folder`` as the GGUF file ``path``; ``dtype``: F32, F16 or Q8_0
     for the 2-D (and stacked expert) weights the converter would quantise."""
@@ -97,7 +102,7 @@ def write_gguf(folder: Path, path: Path, *, dtype: str = "F32") -> Path:
         if model_type.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1    # llama.cpp stores Gemma's norm as its scale 1 + w
         data = tensor.numpy().astype(np.float32)
-        quantise = data.ndim >= 2 and "norm" not in name and not name.endswith("mlp.gate.weight")
+        quantise = quantised(name, tensor)
         if quantise and dtype == "F16":
             writer.add_tensor(gguf_name, data.astype(np.float16))
         elif quantise and dtype == "Q8_0":

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.support.invariance_driver import BatchDriver, Request
-from tests.support.tiny_gguf import write_gguf
+from tests.support.tiny_gguf import quantised, write_gguf
 from tests.support.tiny_models import make_tiny_gemma, make_tiny_phi3, make_tiny_qwen3, make_tiny_qwen3_moe
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
@@ -82,3 +82,22 @@ def test_f16_gguf_matches_transformers_load_of_the_same_file(tmp_path: Path) -> 
     gguf = write_gguf(folder, tmp_path / "phi3.F16.gguf", dtype="F16")
     _, tokens = _jitney_greedy(gguf)
     assert tokens == _hf_greedy(_hf_model(tmp_path, gguf.name))
+
+
+def test_q8_0_gguf_matches_the_hf_original_on_its_rounded_weights(tmp_path: Path) -> None:
+    # transformers cannot load this file itself (its config keeps the experts at its default
+    # width), so the reference is the HF original with each weight the file quantised put
+    # through Q8_0 and back: the stacked experts de-quantised and split as in the file.
+    import gguf
+
+    folder = make_tiny_qwen3_moe(tmp_path / "moe", mlp_only_layers=(), norm_topk_prob=True)
+    path = write_gguf(folder, tmp_path / "moe.Q8_0.gguf", dtype="Q8_0")
+    _, tokens = _jitney_greedy(path)
+    model = _hf_model(folder)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if quantised(name, param):
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), q8), q8)
+                param.copy_(torch.from_numpy(rounded.reshape(param.shape)))
+    assert tokens == _hf_greedy(model)
