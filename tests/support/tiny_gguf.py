@@ -93,6 +93,7 @@ def write_gguf(folder: Path, path: Path, *, dtype: str = "F32") -> Path:
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(folder.name)
     _metadata(writer, hf, model_type)
+    rope = getattr(hf, "rope_parameters", None) or {}
     for name, tensor in _hf_tensors(model).items():
         stem = name.removesuffix(".weight").removesuffix(".bias")
         gguf_name = names.get_name(stem)
@@ -110,6 +111,9 @@ def write_gguf(folder: Path, path: Path, *, dtype: str = "F32") -> Path:
             writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(gguf_name, data)
+    if rope.get("rope_type") == "longrope":     # llama.cpp keeps Phi-3's factors as two tensors
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

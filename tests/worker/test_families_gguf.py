@@ -101,3 +101,14 @@ def test_q8_0_gguf_matches_the_hf_original_on_its_rounded_weights(tmp_path: Path
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), q8), q8)
                 param.copy_(torch.from_numpy(rounded.reshape(param.shape)))
     assert tokens == _hf_greedy(model)
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused(tmp_path: Path) -> None:
+    from jitney.common.model_files import resolve_model
+    from jitney.worker.loading.loader import load_hf_config
+    from jitney.worker.models.config import UnsupportedModelError
+
+    folder = make_tiny_phi3(tmp_path / "phi3")   # LongRoPE
+    path = write_gguf(folder, tmp_path / "phi3.F32.gguf")
+    with pytest.raises(UnsupportedModelError, match="LongRoPE factors"):
+        load_hf_config(resolve_model(path))

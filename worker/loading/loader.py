@@ -57,6 +57,8 @@ _GGUF_KEYS = {
 def gguf_config_fixes(path: Path, hf: Any) -> None:
     """Set on ``hf`` (read from the GGUF file ``path``) what ``_GGUF_KEYS`` maps that
     the file states; Gemma 3's sliding layers' rotary base goes into its rope_parameters."""
+    if getattr(hf, "model_type", "") == "phi3":
+        _refuse_gguf_longrope(path)
     wanted = _GGUF_KEYS.get(getattr(hf, "model_type", ""), {})
     if not wanted:
         return
@@ -152,6 +154,18 @@ class _ParameterNames:
 
     def named_children(self) -> list[tuple[str, torch.nn.Module]]:
         return []
+
+
+def _refuse_gguf_longrope(path: Path) -> None:
+    """Refuse a Phi-3 GGUF with LongRoPE factors (``rope_factors_long/short``): transformers'
+    reader drops them and its config says plain rotary, which would serve wrong tokens at
+    every position (the short factors apply within the original context too)."""
+    from gguf import GGUFReader
+
+    names = {t.name for t in GGUFReader(str(path)).tensors}
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise UnsupportedModelError(f"{path}: a Phi-3 GGUF with LongRoPE factors (rope_factors_long/short) is not "
+                                    "supported: transformers' GGUF reader drops them; serve the Hugging Face folder")
 
 
 def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
