@@ -1,6 +1,7 @@
 """GGUF files of the native families transformers' GGUF reader knows (Qwen3, Qwen3-MoE,
 Gemma 2, Gemma 3, Phi-3), written from tiny HF models (``tests/support/tiny_gguf.py``):
-Jitney serves each with the HF model's fp32 greedy tokens, all prompts in one batch.
+its ModelConfig is the HF folder's, and Jitney serves it with the HF model's fp32 greedy
+tokens, all prompts in one batch.
 
 The tiny models use what a GGUF file can state: no LongRoPE factors (Phi-3), every
 layer sparse and the top-k renormalised (Qwen3-MoE: llama.cpp's default), Gemma's
@@ -13,6 +14,7 @@ Jitney's loader, so the HF original is the reference, not transformers' GGUF loa
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,21 @@ def _hf_model(folder: Path, gguf_file: str | None = None) -> torch.nn.Module:
 
     return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32,
                                                 attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_gguf_model_config_is_the_hf_folders(tmp_path: Path, name: str) -> None:
+    # Greedy tokens alone miss some of it: a final soft-cap never moves the argmax, and
+    # the tiny models' scores sit far below Gemma 2's default cap of 50.
+    from jitney.common.model_files import resolve_model
+    from jitney.worker.loading.loader import load_hf_config, model_config_from_hf
+
+    folder = FAMILIES[name][0](tmp_path / name)
+    want, got = (asdict(model_config_from_hf(load_hf_config(resolve_model(p))))
+                 for p in (folder, write_gguf(folder, tmp_path / f"{name}.F32.gguf")))
+    # GGUF stores the epsilon as a float32
+    assert got.pop("rms_norm_eps") == pytest.approx(want.pop("rms_norm_eps"), rel=1e-6)
+    assert got == want
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
