@@ -217,15 +217,16 @@ def make_tiny_mixtral(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Pa
     return _save(MixtralForCausalLM(config).eval(), path, vocab_size)
 
 
-def make_tiny_qwen3_moe(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path:
-    """A random fp32 Qwen3MoeForCausalLM with tokenizer: 3 layers, the middle one a dense
-    MLP (``mlp_only_layers``), 3 of 8 experts per token without renormalising."""
+def make_tiny_qwen3_moe(path: Path, *, vocab_size: int = 320, seed: int = 0, mlp_only_layers: tuple[int, ...] = (1,),
+                        norm_topk_prob: bool = False) -> Path:
+    """A random fp32 Qwen3MoeForCausalLM with tokenizer: 3 layers, by default the middle one a
+    dense MLP (``mlp_only_layers``), 3 of 8 experts per token, by default without renormalising."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=80, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=256,
+        norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(mlp_only_layers), max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1,
         eos_token_id=EOS_TOKEN_ID, use_sliding_window=False,
     )
@@ -240,16 +241,17 @@ def make_tiny_qwen3_moe(path: Path, *, vocab_size: int = 320, seed: int = 0) -> 
     return _save(model, path, vocab_size)
 
 
-def make_tiny_gemma(path: Path, *, version: int = 3, vocab_size: int = 320, seed: int = 0, window: int = 6) -> Path:
-    """A random fp32 Gemma2ForCausalLM or Gemma3ForCausalLM (text) with tokenizer: 4 layers,
+def make_tiny_gemma(path: Path, *, version: int = 3, vocab_size: int = 320, seed: int = 0, window: int = 6,
+                    layer_types: tuple[str, ...] | None = None, query_pre_attn_scalar: int = 24) -> Path:
+    """A random fp32 Gemma2ForCausalLM or Gemma3ForCausalLM (text) with tokenizer: by default 4 layers,
     sliding (a ``window`` shorter than the prompts, not a multiple of the block) and global
-    interleaved, the norms' weights random (their 1 + w shows); Gemma 2 soft-caps the scores
+    interleaved (``layer_types``), the norms' weights random (their 1 + w shows); Gemma 2 soft-caps the scores
     and the logits, Gemma 3 has q/k norms and its own rotary base for the sliding layers."""
-    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    types = list(layer_types or ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=len(types), num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=window,
-        layer_types=types, query_pre_attn_scalar=24, initializer_range=0.1, bos_token_id=1,
+        layer_types=types, query_pre_attn_scalar=query_pre_attn_scalar, initializer_range=0.1, bos_token_id=1,
         eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
     if version == 2:
         from transformers import Gemma2Config, Gemma2ForCausalLM

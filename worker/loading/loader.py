@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
+from jitney.common.model_files import ModelFiles, gguf_metadata, load_tokenizer, resolve_model
 from jitney.worker.layers.linear import NO_SHARD, Loaded
 from jitney.worker.layers.linear_kernel import choose_linear_kernel
 from jitney.worker.layers.reduce import Reduce, no_reduce
@@ -31,10 +31,45 @@ from jitney.worker.loading.weights_cache import WeightsCache
 logger = logging.getLogger("jitney.worker")
 
 def load_hf_config(files: ModelFiles) -> Any:
-    """The transformers config of the model, read offline."""
+    """The transformers config of the model, read offline (a GGUF file's completed by
+    ``gguf_config_fixes``)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(files.directory), local_files_only=True, **files.pretrained_kwargs())
+    hf = AutoConfig.from_pretrained(str(files.directory), local_files_only=True, **files.pretrained_kwargs())
+    if files.gguf_file is not None:
+        gguf_config_fixes(files.directory / files.gguf_file, hf)
+    return hf
+
+
+# GGUF metadata transformers' reader (integrations/ggml.py) leaves out of these configs,
+# where its class default differs from real checkpoints: {model_type: {gguf key tail: config attribute}}.
+# Qwen3's head_dim is 128 (Qwen3-0.6B: 1024 wide, 16 heads) whatever hidden / heads says; the
+# experts' width and Gemma 2's caps have defaults of one size of model only.
+_GGUF_KEYS = {
+    "qwen3": {"attention.key_length": "head_dim"},
+    "qwen3_moe": {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_weights_norm": "norm_topk_prob"},
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "gemma3_text": {"rope.freq_base_swa": "sliding_attention"},
+}
+
+
+def gguf_config_fixes(path: Path, hf: Any) -> None:
+    """Set on ``hf`` (read from the GGUF file ``path``) what ``_GGUF_KEYS`` maps that
+    the file states; Gemma 3's sliding layers' rotary base goes into its rope_parameters."""
+    if getattr(hf, "model_type", "") == "phi3":
+        _refuse_gguf_longrope(path)
+    wanted = _GGUF_KEYS.get(getattr(hf, "model_type", ""), {})
+    if not wanted:
+        return
+    meta = gguf_metadata(path, lambda key: key.split(".", 1)[-1] in wanted)
+    for key, value in meta.items():
+        attribute = wanted[key.split(".", 1)[-1]]
+        if attribute == "sliding_attention":
+            hf.rope_parameters[attribute]["rope_theta"] = float(value)
+        else:
+            setattr(hf, attribute, value)
 
 
 def model_config_from_hf(hf: Any) -> ModelConfig:
@@ -135,6 +170,18 @@ class _ParameterNames:
         return []
 
 
+def _refuse_gguf_longrope(path: Path) -> None:
+    """Refuse a Phi-3 GGUF with LongRoPE factors (``rope_factors_long/short``): transformers'
+    reader drops them and its config says plain rotary, which would serve wrong tokens at
+    every position (the short factors apply within the original context too)."""
+    from gguf import GGUFReader
+
+    names = {t.name for t in GGUFReader(str(path)).tensors}
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise UnsupportedModelError(f"{path}: a Phi-3 GGUF with LongRoPE factors (rope_factors_long/short) is not "
+                                    "supported: transformers' GGUF reader drops them; serve the Hugging Face folder")
+
+
 def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -142,7 +189,28 @@ def _load_gguf_tensors(path: Path, hf: Any, dtype: torch.dtype) -> dict[str, tor
     with torch.device("meta"):
         names = _ParameterNames(AutoModelForCausalLM.from_config(hf))
     parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names, torch_dtype=dtype)
-    return parsed["tensors"]
+    return _per_expert(parsed["tensors"])
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with stacked experts (transformers' ``mlp.experts.gate_up_proj``
+    [experts, 2 * inter, hidden], gate rows first, and ``.down_proj`` [experts, hidden,
+    inter], what its reader makes of ``ffn_*_exps``) as the per-expert checkpoint names
+    the families read (``mlp.experts.{e}.gate_proj.weight``; views, no copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        block, _, kind = name.rpartition(".experts.")
+        if kind == "gate_up_proj":
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{block}.experts.{e}.gate_proj.weight"] = tensor[e, :half]
+                out[f"{block}.experts.{e}.up_proj.weight"] = tensor[e, half:]
+        elif kind == "down_proj":
+            for e in range(tensor.shape[0]):
+                out[f"{block}.experts.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
 
 
 def load_model(
