@@ -21,7 +21,8 @@ LONGEST_FILES = (
     "test_triton_worker.py",      # 58
     "test_tensor_parallel.py",    # 46
     "test_unsupported_model.py",  # 41 (2026-12-02, run alone)
-    "test_families.py",           # 50 (2026-12-02, run alone on an AMX machine)
+    "test_families.py",           # 50 (2026-12-02, run alone on an AMX machine; more families since)
+    "test_families_gguf.py",      # 183 under load (2026-12-02)
     "test_worker_model.py",       # 38
     "test_production.py",         # 32
     "test_security_flags.py",     # 25 (test_security.py before its split: the real `jitney serve`)

@@ -164,17 +164,17 @@ def test_an_experts_block_needs_its_router() -> None:
     stack.add_norm(torch.ones(64), 1e-5)
     packed = torch.zeros(4, 1, 1)
     with pytest.raises(RuntimeError, match="needs its router added first"):
-        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True)
+        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True, False)
     stack.add_linear(0, torch.zeros(1), None, None, None, 64, 4, False)
     with pytest.raises(RuntimeError, match="does not score 8 experts"):
         stack.add_experts(torch.zeros(8, 1, 1), packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2,
-                          True)
+                          True, False)
     with pytest.raises(RuntimeError, match="top-5 of 4 experts"):
-        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 5, True)
-    stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True)
+        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 5, True, False)
+    stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True, False)
     stack.check()   # the router and its experts are the layer's one linear
     with pytest.raises(RuntimeError, match="router is a linear, not another block"):
-        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True)
+        stack.add_experts(packed, packed, packed, None, None, None, 64, 32, "silu", 1.0, 7.0, False, 2, True, False)
 
 
 def test_every_family_writes_a_well_formed_program() -> None:
