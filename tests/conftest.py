@@ -19,6 +19,7 @@ LONGEST_FILES = (
     "test_bench_gpu.py",          # 67
     "test_batch_invariance.py",   # 64
     "test_triton_worker.py",      # 58
+    "test_triton_kernels.py",     # 222 with an empty Triton cache (its PTX compiles), a few s cached
     "test_tensor_parallel.py",    # 46
     "test_unsupported_model.py",  # 41 (2026-12-02, run alone)
     "test_families.py",           # 50 (2026-12-02, run alone on an AMX machine; more families since)

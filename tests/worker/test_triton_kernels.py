@@ -202,10 +202,14 @@ COMPILE = """
 from jitney.worker.attention.triton import _paged_attention_kernel as attn
 from jitney.worker.kernels.triton.cache import _write_kv_kernel as write
 
+# Each (dtype, variant) is a compile of ~10 s: bf16 every variant, fp32 (its own dot) the
+# plain and the featured, fp16 (bf16's code but for the type) the plain one.
+VARIANTS = {"bf16": ((False, False), (True, False), (False, True)), "fp16": ((False, False),),
+            "fp32": ((False, False), (False, True))}
 for arch in (80, 90):
     for dt in ("bf16", "fp16", "fp32"):
         # the runner's block tables are int32; features: window, soft cap and sinks all on
-        for flat, features in ((False, False), (True, False), (False, True)):
+        for flat, features in VARIANTS[dt]:
             build(attn, [f"*{dt}"] * 4 + ["*i64", "*i64", "*i32", "*i64", "*i64", "*fp32"] + ["fp32"] * 2
                   + ["i32"] * 10,
                   dict(G=3, GP=4, HEAD_DIM=128, HEAD_P=128, BLOCK_Q=16, BLOCK_N=64, F32_DOT=dt == "fp32",
