@@ -94,10 +94,7 @@ class DecoderLayer(llama.DecoderLayer):
         self.mlp = cast(Any, SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                        cfg.experts_per_token, normalize=False, shard=self.shard, router_bias=True,
                                        topk_then_softmax=True, experts=experts))
-        self.self_attn.sink = HeadSinks(cfg.num_heads, self.shard)
-        types = cfg.layer_types or ("full_attention",) * cfg.num_layers
-        if types[self.index] == SLIDING and cfg.sliding_window:
-            self.attend["window"] = cfg.sliding_window
+        self.self_attn.sink = HeadSinks(cfg.num_heads, self.shard)   # (llama's layer set its window)
 
     def linears(self) -> list[nn.Module]:
         return [self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp]

@@ -351,8 +351,9 @@ class CausalLM(nn.Module):
 
     def _use_experts_kernel(self, device: torch.device) -> None:
         """Put the MoE layers' experts (layers/moe.py) on the device's own kernel."""
-        experts = [m for m in self.modules() if isinstance(m, FusedExperts)]
-        for module in experts:
+        for module in self.modules():
+            if not isinstance(module, FusedExperts):
+                continue
             if device.type == "cpu":
                 module.use_cpu_kernel()
             elif device.type == "cuda" and not module.use_triton_kernel():
