@@ -78,6 +78,28 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    # -- the chat path other doors translate into --------------------------
+    async def open_chat(self, request: web.Request, body: dict[str, Any], *,
+                        id_prefix: str = "chatcmpl") -> ChatRun:
+        """Admit ``body`` (a chat completions request, as OpenAI's JSON) as
+        ``/v1/chat/completions`` would, streamed with usage: the Anthropic and
+        Responses doors build such a body from their own and translate the
+        chunks back. Refusals raise APIError (OpenAI's shape: the door maps it
+        to its own), as do errors while the answer streams."""
+        timeout = _timeout(request)
+        state = self._serving()
+        body = dict(body, stream=True, stream_options={"include_usage": True})
+        parsed = parse_request(body, chat=True, defaults=self.servicer.sampling_defaults)
+        names = self.servicer.served_names(state)
+        model = body.get("model")
+        if model is not None and model not in names:
+            raise _model_not_found(str(model), names)
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        parsed.params.request_id = response_id
+        handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
+        fmt = _Formatter(parsed, response_id, names[0], self.servicer.token_texts(state), "")
+        return ChatRun(state, handle, record, fmt, len(prompt_ids))
+
     # -- generation ----------------------------------------------------------
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
@@ -121,6 +143,31 @@ class OpenAIRoutes:
             detail = str(exc).removeprefix(f"{exc.field}: ")
             raise APIError(400, f"{param}: {detail}", param=param) from None
         return handle, record, validated.prompt_token_ids
+
+
+class ChatRun:
+    """An admitted chat request; ``chunks`` yields its answer as OpenAI
+    ``chat.completion.chunk`` dicts, the usage chunk last. ``close`` (always
+    call it: in a ``finally``) cancels it if it has not ended, freeing its
+    blocks at once."""
+
+    def __init__(self, state: ServingState, handle: RequestHandle, record: RequestRecord,
+                 fmt: _Formatter, prompt_tokens: int) -> None:
+        self.state, self.handle, self.record, self.fmt = state, handle, record, fmt
+        self.id, self.model, self.prompt_tokens = fmt.id, fmt.model, prompt_tokens
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        choices: dict[int, _Choice] = {}
+        async for event in _events(self.handle, self.record):
+            c = choices.setdefault(event.sample_index, _Choice(event.sample_index))
+            for chunk in self.fmt.chunks(c, event):
+                yield chunk
+            if event.stream_done:
+                yield self.fmt.usage_chunk(usage_dict(event))
+
+    def close(self) -> None:
+        self.record.on_error("CANCELLED", "the client went away")   # no-op once ended
+        self.state.engine.cancel(self.handle)
 
 
 def _model_not_found(name: str, names: tuple[str, ...]) -> APIError:
