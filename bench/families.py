@@ -11,12 +11,14 @@ time (batch-1 TPOT).
     llama-0.6b    Llama with Qwen3-0.6B's dims (hidden 1024, 28 layers, 16 q / 8 KV heads
                   of 128, MLP 3072, vocab 151936, tied): the same matmuls without q/k norms
     qwen3-0.6b    Qwen3-0.6B's shape
+    llama-1b-gemma-dims  Llama with Gemma-3-1B's dims (as below, tied, no windows): the same
+                  matmuls without Gemma's extra norms, GELU, soft caps and windows
     gemma3-1b     Gemma-3-1B's shape (hidden 1152, 26 layers, 4 q / 1 KV heads of 256, MLP 6912,
-                  vocab 262144, windows of 512 in five layers of six); runs op by op
+                  vocab 262144, windows of 512 in five layers of six)
     qwen3-moe-4l  Qwen3-30B-A3B cut to 4 of its 48 layers (hidden 2048, 32 q / 4 KV heads of
                   128, 128 experts of 768, 8 per token, vocab 151936)
 
-The dense pair's ratio is the per-FLOP and per-weight-byte cost of Qwen3's family
+Each dense pair's ratio (qwen3-0.6b / llama-0.6b, gemma3-1b / llama-1b-gemma-dims) is the per-FLOP and per-weight-byte cost of Qwen3's family
 against Llama's (the same work but the norms); the MoE case reports its batch-1
 step time against its routed-weights floor: the bytes of the attention, the
 router and 8 experts per layer, plus the head, at the read rate measured here.
@@ -68,6 +70,10 @@ def make_model(case: str, path: Path) -> Path:
     if case == "llama-0.6b":
         config: Any = transformers.LlamaConfig(**QWEN3_06B, rope_parameters=rope)
         cls: Any = transformers.LlamaForCausalLM
+    elif case == "llama-1b-gemma-dims":
+        dims = {k: v for k, v in GEMMA3_1B.items() if k not in ("sliding_window", "query_pre_attn_scalar")}
+        config = transformers.LlamaConfig(**dims, tie_word_embeddings=True, rope_parameters=rope)
+        cls = transformers.LlamaForCausalLM
     elif case == "gemma3-1b":
         config = transformers.Gemma3TextConfig(**GEMMA3_1B, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -147,6 +153,9 @@ def main() -> int:
         results["qwen3-moe-4l"]["tpot_over_floor"] = results["qwen3-moe-4l"]["batch1_tpot_p50_ms"] / floor_ms
     if "llama-0.6b" in results and "qwen3-0.6b" in results:
         results["qwen3_over_llama_wall"] = results["qwen3-0.6b"]["offline64_wall_s"] / results["llama-0.6b"]["offline64_wall_s"]
+    if "llama-1b-gemma-dims" in results and "gemma3-1b" in results:
+        results["gemma3_over_llama_wall"] = (results["gemma3-1b"]["offline64_wall_s"]
+                                             / results["llama-1b-gemma-dims"]["offline64_wall_s"])
     print(json.dumps(results, indent=1))
     if ns.json:
         ns.json.write_text(json.dumps(results, indent=2))

@@ -4,7 +4,8 @@ application and its server.
 An aiohttp server in the scheduler's own asyncio loop, beside the gRPC
 server, over the same Engine and the same ``GenerationServicer`` (its
 serving state, shared with gRPC). The application holds a protocol's routes
-(OpenAI's: ``http/openai/routes.py``) and one of its own:
+(OpenAI's: ``http/openai/routes.py``; vLLM's /tokenize, /detokenize and
+/version: ``http/openai/utility.py``) and one of its own:
 
     GET  /health                        200 while serving, else 503
 
@@ -23,6 +24,7 @@ from aiohttp import web
 from jitney.scheduler.api.http.middleware import _authenticate, _json_errors
 from jitney.scheduler.api.http.openai.protocol import serving_state
 from jitney.scheduler.api.http.openai.routes import OpenAIRoutes
+from jitney.scheduler.api.http.openai.utility import UtilityRoutes
 from jitney.scheduler.api.servicer import GenerationServicer
 from jitney.scheduler.security.tls import ApiKeys
 
@@ -40,6 +42,7 @@ class OpenAIServer:
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.openai = OpenAIRoutes(servicer)
         self.openai.add_to(self.app.router)
+        UtilityRoutes(servicer).add_to(self.app.router)
         self.app.router.add_get("/health", self.health)
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
