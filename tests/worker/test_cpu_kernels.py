@@ -317,6 +317,26 @@ def test_silu_mul_matches_torch_and_is_row_invariant(dtype: torch.dtype, width: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [144, 6912])
+def test_gelu_mul_matches_torch_and_is_row_invariant(dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(200, 2 * width) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    exact = F.gelu(gate.double(), approximate="tanh")
+    got_gelu = cpu_kernels.gelu_mul(torch.cat([gate, torch.ones_like(up)], dim=-1)).double()
+    # The gelu alone is as close to float64's as torch's own (fp32: ~4e-7 here); bf16
+    # rounds it once to the dtype, as torch does: within one rounding of the exact value.
+    torch_err = (F.gelu(gate, approximate="tanh").double() - exact).abs().max().item()
+    assert (got_gelu - exact).abs().max().item() <= max(2 * torch_err, 1e-6)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(cpu_kernels.gelu_mul(gate_up).float(),
+                               (F.gelu(gate.float(), approximate="tanh") * up.float()), atol=tol, rtol=tol)
+    assert_rows_invariant(cpu_kernels.gelu_mul, gate_up)
+    edges = torch.tensor([[0.0, -0.0, 1e-8, -20.0, 20.0, 1e20, -1e20, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], dtype=dtype)
+    torch.testing.assert_close(cpu_kernels.gelu_mul(edges).float(),
+                               F.gelu(edges[:, :7].float(), approximate="tanh"), atol=1e-6, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(576, 3072), (64, 256), (77, 192)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_silu_mul_gives_silu_mul_of_the_linear_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int],

@@ -178,6 +178,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of ``gate_up (T, 2I)`` -> ``(T, I)``, the same operations for every element."""
+    load()
+    out: torch.Tensor = torch.ops.jitney_cpu.gelu_mul(gate_up)
+    return out
+
+
 class InvariantLinear(nn.Module):
     """``y = x W^T + b`` through ``jitney_cpu.linear``; x is (T, in_features).
 

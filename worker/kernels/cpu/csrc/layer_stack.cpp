@@ -23,7 +23,7 @@
 //                 whose all-reduce is Python's
 //   QK_NORM i     rms_norm of each q head (norms[i]) and k head (norms[i + 1]), as program.qk_norm
 //   NORM i        rms_norm, the stream untouched
-//   GELU_MUL      at::gelu(gate, "tanh") * up, the ATen calls of TorchLayerOps.gelu_mul
+//   GELU_MUL      gelu_mul (elementwise.cpp), InvariantCpuLayerOps.gelu_mul
 //
 // From Python those are ~270 op calls a step (30 layers), each paying the
 // dispatcher's Python binding and the layer's Python around it. The stack holds
@@ -36,7 +36,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sum.h>
@@ -364,11 +363,9 @@ class LayerStack : public torch::CustomClassHolder {
             h = jitney_cpu::rms_norm_op(h, norm.weight, norm.eps);
             break;
           }
-          case Op::kGeluMul: {
-            const std::vector<at::Tensor> parts = h.chunk(2, -1);
-            h = at::mul(at::gelu(parts[0], "tanh"), parts[1]);
+          case Op::kGeluMul:
+            h = jitney_cpu::gelu_mul_op(h);
             break;
-          }
         }
       }
     }

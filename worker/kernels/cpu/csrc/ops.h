@@ -36,6 +36,7 @@ at::Tensor rope_and_cache_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim);
 at::Tensor silu_mul_op(const at::Tensor& gate_up);
+at::Tensor gelu_mul_op(const at::Tensor& gate_up);
 
 // softmax_stats.cpp: the sampler's per-row statistics
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats_op(const at::Tensor& x, bool portable);
