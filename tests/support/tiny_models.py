@@ -144,16 +144,18 @@ def _random_qk_norms(model: Any) -> None:
 
 
 def make_tiny_qwen3(path: Path, *, vocab_size: int = 320, seed: int = 0, head_dim: int = 24,
-                    attention_bias: bool = False, tied: bool = True) -> Path:
+                    attention_bias: bool = False, tied: bool = True, window: int = 0) -> Path:
     """A random fp32 Qwen3ForCausalLM with tokenizer: q/k norms per head (given random
-    weights, so the test sees them) and a ``head_dim`` other than hidden / heads."""
+    weights, so the test sees them) and a ``head_dim`` other than hidden / heads. With
+    ``window``: ``use_sliding_window``, the second layer windowed (``max_window_layers`` 1)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1,
-        eos_token_id=EOS_TOKEN_ID, attention_bias=attention_bias, use_sliding_window=False,
+        eos_token_id=EOS_TOKEN_ID, attention_bias=attention_bias, use_sliding_window=bool(window),
+        sliding_window=window or None, max_window_layers=1,
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).eval()
@@ -203,14 +205,15 @@ def make_tiny_mistral(path: Path, *, vocab_size: int = 320, seed: int = 0, windo
     return _save(MistralForCausalLM(config).eval(), path, vocab_size)
 
 
-def make_tiny_mixtral(path: Path, *, vocab_size: int = 320, seed: int = 0) -> Path:
-    """A random fp32 MixtralForCausalLM with tokenizer: 2 of 6 experts per token."""
+def make_tiny_mixtral(path: Path, *, vocab_size: int = 320, seed: int = 0, window: int | None = None) -> Path:
+    """A random fp32 MixtralForCausalLM with tokenizer: 2 of 6 experts per token; with
+    ``window``, every layer windowed (as transformers' Mixtral applies ``sliding_window``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False, initializer_range=0.1,
+        rms_norm_eps=1e-5, sliding_window=window, tie_word_embeddings=False, initializer_range=0.1,
         bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
     )
     torch.manual_seed(seed)

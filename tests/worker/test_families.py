@@ -31,6 +31,9 @@ FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "qwen3-bias-untied": (lambda p: make_tiny_qwen3(p, attention_bias=True, tied=False, head_dim=8, seed=1), "qwen3"),
     "phi3-longrope": (make_tiny_phi3, "phi3"),     # fused qkv/gate_up tensors; every position below 64: short factors
     "mixtral": (make_tiny_mixtral, "mixtral"),
+    # Qwen3's use_sliding_window: a full layer, then a windowed one (6 keys); Mixtral windowed throughout
+    "qwen3-window": (lambda p: make_tiny_qwen3(p, window=6, seed=2), "qwen3"),
+    "mixtral-window": (lambda p: make_tiny_mixtral(p, window=6, seed=1), "mixtral"),
     "qwen3-moe": (make_tiny_qwen3_moe, "qwen3_moe"),   # a dense layer between two sparse ones
     # windows of 6 keys (block 4) interleaved with global layers; prompts up to 45 tokens
     "gemma2": (lambda p: make_tiny_gemma(p, version=2), "gemma"),

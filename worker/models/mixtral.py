@@ -18,7 +18,7 @@ from torch import nn
 from jitney.worker.layers.moe import SparseMoe
 from jitney.worker.layers.program import Op, Program
 from jitney.worker.models import llama
-from jitney.worker.models.config import ModelConfig, UnsupportedModelError
+from jitney.worker.models.config import ModelConfig
 
 ARCHITECTURES = ("MixtralForCausalLM",)
 MODEL_TYPES = ("mixtral",)
@@ -28,8 +28,7 @@ _PART = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 def config_from_hf(hf: Any) -> ModelConfig:
-    if getattr(hf, "sliding_window", None):
-        raise UnsupportedModelError(f"Mixtral with a sliding window ({hf.sliding_window}) is not supported yet")
+    # A sliding_window windows every layer, as transformers' Mixtral (and Mistral) apply it.
     cfg = llama.config_from_hf(hf, family="mixtral")
     return replace(cfg, num_experts=int(hf.num_local_experts), experts_per_token=int(hf.num_experts_per_tok),
                    moe_intermediate_size=int(hf.intermediate_size), norm_topk_prob=True)

@@ -14,16 +14,15 @@ from typing import Any, cast
 from jitney.worker.layers.norm import RMSNorm
 from jitney.worker.layers.program import Op, Program
 from jitney.worker.models import llama
-from jitney.worker.models.config import ModelConfig, UnsupportedModelError
+from jitney.worker.models.config import ModelConfig
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPES = ("qwen3",)
 
 
 def config_from_hf(hf: Any) -> ModelConfig:
-    types = set(getattr(hf, "layer_types", None) or ["full_attention"])
-    if getattr(hf, "use_sliding_window", False) or types != {"full_attention"}:
-        raise UnsupportedModelError(f"Qwen3 with sliding-window layers ({sorted(types)}) is not supported yet")
+    # With use_sliding_window, transformers' config names the windowed layers in
+    # layer_types (from max_window_layers on); llama's _layer_windows applies them.
     cfg = llama.config_from_hf(hf, family="qwen3")
     bias = bool(getattr(hf, "attention_bias", False))
     return replace(cfg, qkv_bias=bias, o_bias=bias)
