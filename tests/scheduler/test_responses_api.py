@@ -19,6 +19,7 @@ from typing import Any
 import openai
 import pydantic
 import pytest
+from openai.types.responses import ResponseFailedEvent, ResponseIncompleteEvent, ResponseOutputMessage
 
 from jitney.scheduler.api.http.app import OpenAIServer
 from jitney.scheduler.api.http.openai.protocol import APIError, parse_request
@@ -29,7 +30,7 @@ from tests.support.waiting import wait_for
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
           "required": ["answer"], "additionalProperties": False}
-TOOL = {"type": "function", "name": "answer", "description": "say yes or no", "parameters": SCHEMA,
+TOOL: Any = {"type": "function", "name": "answer", "description": "say yes or no", "parameters": SCHEMA,
         "strict": True}
 
 
@@ -46,8 +47,10 @@ class ResponsesHarness(Harness):
         # Harness._start, with the store handed to the door.
         real = OpenAIServer
         import tests.support.door_harness as door_harness
-        door_harness.OpenAIServer = (  # type: ignore[misc]
-            lambda servicer: real(servicer, responses_store=self.store_config))
+
+        def with_store(servicer: Any) -> OpenAIServer:
+            return real(servicer, responses_store=self.store_config)
+        door_harness.OpenAIServer = with_store  # type: ignore[misc,assignment]
         try:
             await super()._start(tmp)
         finally:
@@ -119,11 +122,12 @@ def test_text_input_retrieve_and_usage(client: openai.OpenAI, tokenizer: Any) ->
 
 
 def test_message_list_and_instructions(client: openai.OpenAI, tokenizer: Any) -> None:
-    r = client.responses.create(model=MODEL, instructions=SYSTEM, input=[
+    items: Any = [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
-        {"role": "user", "content": "where to?"}])
+        {"role": "user", "content": "where to?"}]
+    r = client.responses.create(model=MODEL, instructions=SYSTEM, input=items)
     want = [{"role": "system", "content": SYSTEM}, {"role": "system", "content": "be brief"},
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
             {"role": "user", "content": "where to?"}]
@@ -152,7 +156,7 @@ def test_json_schema_format(client: openai.OpenAI, server: Harness) -> None:
     r = client.responses.create(model=MODEL, input="answer in JSON", text={"format": {
         "type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}})
     assert server.worker.masked_samples > before and json.loads(r.output_text) == {"answer": "yes"}
-    assert r.text is not None and r.text.format.type == "json_schema"
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
 
     class Answer(pydantic.BaseModel):
         answer: str
@@ -167,10 +171,13 @@ def test_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
     r = client.responses.create(model=MODEL, input="where to?", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens" and r.max_output_tokens == 3
-    assert r.usage is not None and r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    (item,) = r.output
+    assert isinstance(item, ResponseOutputMessage) and item.status == "incomplete"
+    assert r.usage is not None and r.usage.output_tokens == 3
     events = list(client.responses.create(model=MODEL, input="where to?", max_output_tokens=3, stream=True))
-    assert events[-1].type == "response.incomplete"
-    assert client.responses.retrieve(events[-1].response.id).status == "incomplete"
+    last = events[-1]
+    assert isinstance(last, ResponseIncompleteEvent)
+    assert client.responses.retrieve(last.response.id).status == "incomplete"
 
 
 def test_store_false_delete_and_not_found(client: openai.OpenAI) -> None:
@@ -254,6 +261,7 @@ def test_deadline_mid_stream_fails_the_response(client: openai.OpenAI, server: H
     assert err.value.status_code == 504
     events = list(client.responses.create(model=MODEL, input="where to?", stream=True, extra_headers=timeout))
     assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert isinstance(events[-1], ResponseFailedEvent)
     failed = events[-1].response
     assert failed.status == "failed" and failed.error is not None and "deadline" in failed.error.message
     assert any(e.type == "response.output_text.delta" for e in events)
@@ -308,11 +316,11 @@ def test_errors_name_the_parameter(client: openai.OpenAI) -> None:
 
 @needs_tools
 def test_function_call_round_trip(client: openai.OpenAI, tokenizer: Any) -> None:
-    r1 = client.responses.create(model=MODEL, input="yes or no?", tools=[TOOL],   # type: ignore[list-item]
+    r1 = client.responses.create(model=MODEL, input="yes or no?", tools=[TOOL], 
                                  tool_choice={"type": "function", "name": "answer"})
     calls = [item for item in r1.output if item.type == "function_call"]
     assert calls and calls[0].name == "answer" and json.loads(calls[0].arguments) == {"answer": "yes"}
-    r2 = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=[TOOL],  # type: ignore[list-item]
+    r2 = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=[TOOL],
                                  input=[{"type": "function_call_output", "call_id": calls[0].call_id,
                                          "output": "noted"}])
     assert r2.status == "completed" and r2.usage is not None and r1.usage is not None
@@ -321,7 +329,7 @@ def test_function_call_round_trip(client: openai.OpenAI, tokenizer: Any) -> None
 
 @needs_tools
 def test_function_call_stream_events(client: openai.OpenAI) -> None:
-    with client.responses.stream(model=MODEL, input="yes or no?", tools=[TOOL],  # type: ignore[list-item]
+    with client.responses.stream(model=MODEL, input="yes or no?", tools=[TOOL],
                                  tool_choice="required") as stream:
         events = list(stream)
         final = stream.get_final_response()

@@ -60,7 +60,22 @@ class ResponseAssembler:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": self.status, "error": self.error, "incomplete_details": incomplete,
                 "model": self.model, "output": [_copy_item(item) for item in self.output],
-                "usage": self.usage, **self.echo}
+                "usage": None if self.usage is None else self._usage(self.usage), **self.echo}
+
+    def _usage(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """Chat usage as Responses usage. Reasoning tokens: the chat usage's count when
+        it has one, else 0 when nothing was reasoned, else unknown (left out)."""
+        cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        out: dict[str, Any] = {
+            "input_tokens": chat["prompt_tokens"], "output_tokens": chat["completion_tokens"],
+            "total_tokens": chat["prompt_tokens"] + chat["completion_tokens"],
+            "input_tokens_details": {"cached_tokens": cached}}
+        reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens")
+        if reasoning is None and not any(item["type"] == "reasoning" for item in self.output):
+            reasoning = 0
+        if reasoning is not None:
+            out["output_tokens_details"] = {"reasoning_tokens": reasoning}
+        return out
 
     def _event(self, kind: str, **fields: Any) -> Event:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -78,7 +93,7 @@ class ResponseAssembler:
         """The events of one chat chunk (its first choice: Responses has no ``n``)."""
         events: list[Event] = []
         if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"])
+            self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 raise TranslationError(f"a chunk for choice {choice.get('index')}: one choice only")
@@ -148,7 +163,7 @@ class ResponseAssembler:
         part = item["content"][0]
         part["text"] += text
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         events.append(self._event(name, item_id=item["id"], output_index=len(self.output) - 1,
                                   content_index=0, delta=text, **extra))
         return events
@@ -208,9 +223,3 @@ def _copy_item(item: dict[str, Any]) -> dict[str, Any]:
         out["content"] = [dict(p) for p in out["content"]]
     return out
 
-
-def _usage(chat: dict[str, Any]) -> dict[str, Any]:
-    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat["prompt_tokens"], "output_tokens": chat["completion_tokens"],
-            "total_tokens": chat["prompt_tokens"] + chat["completion_tokens"],
-            "input_tokens_details": {"cached_tokens": cached}}
