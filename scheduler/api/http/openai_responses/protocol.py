@@ -121,8 +121,8 @@ def parse_create(body: Any) -> CreateRequest:
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
     out.echo = {"instructions": out.instructions, "tools": tools, "tool_choice": tool_choice,
                 "parallel_tool_calls": parallel, "text": {"format": fmt},
-                "max_output_tokens": max_output, "temperature": 1.0 if temperature is None else temperature,
-                "top_p": 1.0 if top_p is None else top_p, "metadata": metadata, "user": user,
+                "max_output_tokens": max_output, "temperature": temperature,
+                "top_p": top_p, "metadata": metadata, "user": user,
                 "previous_response_id": out.previous_response_id, "store": out.store,
                 "truncation": "disabled", "background": False, "reasoning": None,
                 "service_tier": "default"}
