@@ -87,9 +87,12 @@ def one_turn(client: openai.OpenAI, model: str, n: int, body: dict[str, Any]) ->
                                                 "response.function_call_arguments.delta",
                                                 "response.reasoning_text.delta"):
                 first = time.perf_counter()
+            if event.type in ("response.completed", "response.incomplete"):   # a turn may hit its limit
+                final = event.response
             if event.type in ("response.failed", "error"):
                 raise RuntimeError(f"turn {n} failed: {event}")
-        final = stream.get_final_response()
+    if final is None:
+        raise RuntimeError(f"turn {n}: the stream ended without its final event")
     end = time.perf_counter()
     usage = final.usage
     assert usage is not None

@@ -338,3 +338,25 @@ def test_function_call_stream_events(client: openai.OpenAI) -> None:
     assert done and done[0].arguments == args and json.loads(args) == {"answer": "yes"}
     assert [i.type for i in final.output][-1] == "function_call"
 
+
+
+def test_the_store_flags_reach_the_scheduler_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jitney.cli import build_parser
+    from jitney.scheduler.launch.supervisor import child_argv
+    from jitney.scheduler.main import SchedulerProcessConfig, responses_store_config
+
+    parser = build_parser()
+    sched_parser = parser._subparsers._group_actions[0].choices["scheduler"]  # type: ignore[union-attr]
+
+    def config(*flags: str) -> StoreConfig:
+        argv = child_argv(sched_parser, parser.parse_args(["serve", *flags]))
+        return responses_store_config(SchedulerProcessConfig.from_namespace(sched_parser.parse_args(argv)))
+
+    assert config("--responses-store", str(tmp_path), "--responses-store-max-mb", "2",
+                  "--responses-store-max-age", "60") == StoreConfig(tmp_path, 2 * 1024 * 1024, 60.0)
+    assert config("--no-responses-store").directory is None
+    monkeypatch.setenv("JITNEY_STATE_DIR", str(tmp_path / "state"))
+    assert config().directory == tmp_path / "state" / "responses"
+    for bad in (["--responses-store-max-mb", "0"], ["--responses-store-max-age", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])

@@ -21,7 +21,7 @@ from jitney.scheduler.api.http.openai.protocol import APIError
 from jitney.scheduler.api.http.openai_responses.events import ResponseAssembler, TranslationError
 from jitney.scheduler.api.http.openai_responses.protocol import chat_messages, parse_create
 from jitney.scheduler.api.http.openai_responses.routes import _renamed
-from jitney.scheduler.api.http.openai_responses.store import ResponseStore, StoreConfig
+from jitney.scheduler.api.http.openai_responses.store import ResponseStore, StoreConfig, StoreError
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "name": "weather", "description": "the weather", "parameters": SCHEMA,
@@ -286,3 +286,11 @@ def test_store_bounds_and_restart(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert (tmp_path / "responses.sqlite3").exists()
+
+
+def test_an_unusable_store_folder_is_refused(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StoreError) as err:
+        ResponseStore(StoreConfig(blocker / "store"))
+    assert str(blocker) in str(err.value)
