@@ -164,6 +164,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=["auto", "tools", "text"], default="auto")
     ap.add_argument("--max-output-tokens", type=int, default=48)
     ap.add_argument("--server-args", default="", help="more flags for the started `jitney serve`")
+    ap.add_argument("--startup-timeout", type=float, default=900.0,
+                    help="seconds the started server may take to serve (a cold CPU start compiles kernels)")
     ap.add_argument("--json", type=Path, default=None, help="write the turns and the summary here")
     ns = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +174,7 @@ def main() -> int:
         port = free_port()
         args = ["--openai-port", str(port), "--responses-store", str(Path(tmp) / "store"),
                 *shlex.split(ns.server_args)]
-        with running_server(args, Path(tmp)) as server:
+        with running_server(args, Path(tmp), startup_timeout=ns.startup_timeout) as server:
             code = report(ns, f"http://127.0.0.1:{port}/v1")
             if "Traceback" in server.log():
                 print(server.log(), file=sys.stderr)

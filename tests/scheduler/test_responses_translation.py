@@ -19,7 +19,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from jitney.scheduler.api.http.openai.protocol import APIError
 from jitney.scheduler.api.http.openai_responses.events import ResponseAssembler, TranslationError
-from jitney.scheduler.api.http.openai_responses.protocol import chat_messages, parse_create
+from jitney.scheduler.api.http.openai_responses.items import chat_messages
+from jitney.scheduler.api.http.openai_responses.protocol import parse_create
 from jitney.scheduler.api.http.openai_responses.routes import _renamed
 from jitney.scheduler.api.http.openai_responses.store import ResponseStore, StoreConfig, StoreError
 

@@ -31,7 +31,8 @@ from jitney.scheduler.api.http.encoding import dumps
 from jitney.scheduler.api.http.openai.protocol import APIError
 from jitney.scheduler.api.http.openai.routes import ChatRun, OpenAIRoutes
 from jitney.scheduler.api.http.openai_responses.events import Event, ResponseAssembler, TranslationError
-from jitney.scheduler.api.http.openai_responses.protocol import CreateRequest, chat_messages, parse_create
+from jitney.scheduler.api.http.openai_responses.items import chat_messages
+from jitney.scheduler.api.http.openai_responses.protocol import CreateRequest, parse_create
 from jitney.scheduler.api.http.openai_responses.store import ResponseStore, StoreConfig
 from jitney.scheduler.api.http.sse import event_stream
 
