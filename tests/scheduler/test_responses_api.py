@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -319,12 +320,15 @@ def test_function_call_round_trip(client: openai.OpenAI, tokenizer: Any) -> None
     r1 = client.responses.create(model=MODEL, input="yes or no?", tools=[TOOL], 
                                  tool_choice={"type": "function", "name": "answer"})
     calls = [item for item in r1.output if item.type == "function_call"]
-    assert calls and calls[0].name == "answer" and json.loads(calls[0].arguments) == {"answer": "yes"}
+    assert calls and calls[0].name == "answer" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)      # the grammar's promise
     r2 = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=[TOOL],
                                  input=[{"type": "function_call_output", "call_id": calls[0].call_id,
                                          "output": "noted"}])
-    assert r2.status == "completed" and r2.usage is not None and r1.usage is not None
-    assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens - 2
+    # The call and its output are in the second prompt; "auto" lets the model answer in text.
+    assert r2.status == "completed" and r2.output_text == PLAIN
+    assert r2.usage is not None and r1.usage is not None and r2.usage.input_tokens > r1.usage.input_tokens
+    assert [i.type for i in client.responses.retrieve(r2.id).output] == ["message"]
 
 
 @needs_tools
@@ -335,7 +339,8 @@ def test_function_call_stream_events(client: openai.OpenAI) -> None:
         final = stream.get_final_response()
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert done and done[0].arguments == args and json.loads(args) == {"answer": "yes"}
+    assert done and done[0].arguments == args
+    jsonschema.validate(json.loads(args), SCHEMA)
     assert [i.type for i in final.output][-1] == "function_call"
 
 
