@@ -255,8 +255,8 @@ def test_cancelled_stream_frees_the_request(client: openai.OpenAI, server: Harne
 
 
 def test_deadline_mid_stream_fails_the_response(client: openai.OpenAI, server: Harness) -> None:
-    server.worker.step_seconds = 0.05       # PLAIN takes ~0.8 s
-    timeout = {"X-Request-Timeout": "0.3"}
+    server.worker.step_seconds = 0.1        # PLAIN takes ~1.7 s; its first token comes well before 0.6 s
+    timeout = {"X-Request-Timeout": "0.6"}
     with pytest.raises(openai.InternalServerError) as err:
         client.responses.create(model=MODEL, input="where to?", extra_headers=timeout)
     assert err.value.status_code == 504
