@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import tracemalloc
 import typing
 from pathlib import Path
 from typing import Any
@@ -295,3 +296,23 @@ def test_an_unusable_store_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError) as err:
         ResponseStore(StoreConfig(blocker / "store"))
     assert str(blocker) in str(err.value)
+
+
+def test_memory_does_not_grow_with_stored_responses(tmp_path: Path) -> None:
+    async def scenario() -> int:
+        store = ResponseStore(StoreConfig(tmp_path))
+        try:
+            for i in range(20):                                   # warm up (statement cache, thread)
+                await store.put(stored_response(i, pad=20_000), [])
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(20, 320):                              # 6 MB more stored
+                await store.put(stored_response(i, pad=20_000), [{"type": "message", "i": i}])
+            grown = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
+            assert (await store.stats())[0] == 320
+            return grown
+        finally:
+            store.close()
+
+    assert asyncio.run(scenario()) < 512 * 1024
