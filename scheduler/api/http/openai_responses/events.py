@@ -196,7 +196,7 @@ class ResponseAssembler:
         if item is None:
             return []
         item["status"] = status
-        index = self.output.index(item)
+        index = len(self.output) - 1              # the open item is always the last
         ids = {"item_id": item["id"], "output_index": index}
         events: list[Event] = []
         if item["type"] == "function_call":

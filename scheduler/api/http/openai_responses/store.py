@@ -3,8 +3,10 @@
 One file, ``DIR/responses.sqlite3`` (WAL mode), one table: a response's id,
 when it was stored, its size, the Response object and its conversation (the
 items a later ``previous_response_id`` continues: the earlier turns, this
-request's input, this response's output) as JSON. Nothing of it stays in
-process memory: every call reads or writes the file.
+request's input, this response's output) as JSON. Each row holds its whole
+conversation, so evicting an older response never breaks a later one's
+chain (the price: turns shared by a chain are stored once per response).
+Nothing of it stays in process memory: every call reads or writes the file.
 
 Bounds, applied after each write (oldest evicted first):
   * age: a response older than ``max_age_s`` is deleted;
