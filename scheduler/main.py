@@ -16,10 +16,11 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
 
-from jitney.common.arg_types import int_in, positive_int, tcp_port
+from jitney.common.arg_types import int_in, positive_float, positive_int, tcp_port
 from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
@@ -39,6 +40,9 @@ from jitney.scheduler.security.tls import (SecurityError, ServerSecurity, add_se
 from jitney.scheduler.lifecycle import Lifecycle, add_production_arguments, production_fields
 from jitney.scheduler.core.trace import StepTracer
 from jitney.scheduler.core.worker_link import WorkerLink
+
+if TYPE_CHECKING:
+    from jitney.scheduler.api.http.openai_responses.store import StoreConfig
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -75,6 +79,10 @@ class SchedulerProcessConfig:
     served_model_names: tuple[str, ...] = ()  # the API's names of the model, primary first; () = its own
     chat_template: str | None = None     # a Jinja file that replaces the model's chat template
     generation_config: str = "auto"      # sampling defaults: auto (the model's), none, or a folder
+    responses_store: str | None = None   # the Responses API's store folder; None = default_store_dir()
+    responses_store_enabled: bool = True  # off: --no-responses-store (nothing stored)
+    responses_store_max_mb: float = 512.0      # stored responses' bytes cap (MiB); oldest evicted first
+    responses_store_max_age: float = 30 * 24 * 3600.0  # seconds a stored response is kept
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -83,7 +91,10 @@ class SchedulerProcessConfig:
                    not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port,
                    curve_keys=ns.curve_keys, insecure_plaintext_zmq=ns.insecure_plaintext_zmq,
                    served_model_names=tuple(ns.served_model_name or ()), chat_template=ns.chat_template,
-                   generation_config=ns.generation_config, **security_fields(ns))
+                   generation_config=ns.generation_config, **security_fields(ns),
+                   responses_store=ns.responses_store, responses_store_enabled=not ns.no_responses_store,
+                   responses_store_max_mb=ns.responses_store_max_mb,
+                   responses_store_max_age=ns.responses_store_max_age)
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -115,6 +126,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     add_model_setting_arguments(parser)
+    add_responses_store_arguments(parser)
     add_production_arguments(parser)
     add_security_arguments(parser)
     if with_shared:
@@ -165,6 +177,32 @@ def add_model_setting_arguments(parser: argparse.ArgumentParser) -> None:
                              "takes the model's generation_config.json (temperature, top_p, top_k, min_p, "
                              "repetition_penalty, max_new_tokens as max_tokens) or a GGUF's general.sampling.* "
                              "metadata; none keeps the server's own; FOLDER reads FOLDER/generation_config.json")
+
+
+def add_responses_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI door's Responses API store (scheduler/api/http/openai_responses/store.py)."""
+    parser.add_argument("--responses-store", default=None, metavar="DIR",
+                        help="folder of the Responses API's store (/v1/responses with store: true, "
+                             "previous_response_id), an SQLite file kept across restarts; default "
+                             "$JITNEY_STATE_DIR/responses, else $XDG_STATE_HOME/jitney/responses, else "
+                             "~/.local/state/jitney/responses")
+    parser.add_argument("--no-responses-store", action="store_true",
+                        help="store no responses: /v1/responses still answers, GET /v1/responses/ID "
+                             "and previous_response_id find nothing")
+    parser.add_argument("--responses-store-max-mb", type=positive_float, default=512.0, metavar="MB",
+                        help="most MiB of stored responses; beyond, the oldest are evicted (default 512)")
+    parser.add_argument("--responses-store-max-age", type=positive_float, default=30 * 24 * 3600.0,
+                        metavar="SECONDS", help="how long a stored response is kept (default 30 days)")
+
+
+def responses_store_config(cfg: SchedulerProcessConfig) -> "StoreConfig":
+    """The Responses store of the flags (its folder None when off)."""
+    from jitney.scheduler.api.http.openai_responses.store import StoreConfig, default_store_dir
+
+    if not cfg.responses_store_enabled:
+        return StoreConfig(None)
+    directory = Path(cfg.responses_store) if cfg.responses_store else default_store_dir()
+    return StoreConfig(directory, int(cfg.responses_store_max_mb * 1024 * 1024), cfg.responses_store_max_age)
 
 
 def _model_name(text: str) -> str:
@@ -244,8 +282,13 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
         if cfg.openai_port:
             # Imported only when asked for: aiohttp stays out of a plain gRPC server.
             from jitney.scheduler.api.http.app import OpenAIServer
+            from jitney.scheduler.api.http.openai_responses.store import StoreError
 
-            openai = OpenAIServer(servicer, security.keys)
+            try:
+                openai = OpenAIServer(servicer, security.keys, responses_store_config(cfg))
+            except StoreError as exc:
+                print(f"jitney: {exc} (--responses-store)", file=sys.stderr, flush=True)
+                return 2
             try:    # aiohttp's TCPSite: SO_REUSEADDR, never SO_REUSEPORT (reuse_port stays None)
                 await openai.start(cfg.host, cfg.openai_port,
                                    security.tls.ssl_context() if security.tls else None)

@@ -25,6 +25,8 @@ from jitney.scheduler.api.http.middleware import _authenticate, _json_errors
 from jitney.scheduler.api.http.openai.protocol import serving_state
 from jitney.scheduler.api.http.openai.routes import OpenAIRoutes
 from jitney.scheduler.api.http.openai.utility import UtilityRoutes
+from jitney.scheduler.api.http.openai_responses.routes import ResponsesRoutes
+from jitney.scheduler.api.http.openai_responses.store import StoreConfig
 from jitney.scheduler.api.servicer import GenerationServicer
 from jitney.scheduler.security.tls import ApiKeys
 
@@ -35,7 +37,8 @@ class OpenAIServer:
     """The HTTP door over ``servicer``'s serving state (shared with gRPC);
     with ``keys``, every route but /health needs one of them."""
 
-    def __init__(self, servicer: GenerationServicer, keys: ApiKeys | None = None) -> None:
+    def __init__(self, servicer: GenerationServicer, keys: ApiKeys | None = None,
+                 responses_store: StoreConfig | None = None) -> None:
         self.servicer = servicer
         self._runner: web.AppRunner | None = None
         middlewares = [_json_errors] + ([_authenticate(keys, servicer.metrics)] if keys is not None else [])
@@ -43,6 +46,7 @@ class OpenAIServer:
         self.openai = OpenAIRoutes(servicer)
         self.openai.add_to(self.app.router)
         UtilityRoutes(servicer).add_to(self.app.router)
+        ResponsesRoutes(self.openai, responses_store).add_to(self.app)   # /v1/responses; None: no store
         self.app.router.add_get("/health", self.health)
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
