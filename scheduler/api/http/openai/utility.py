@@ -14,11 +14,11 @@ are the OpenAI door's (``APIError``), naming the argument.
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 from typing import Any
 
 from aiohttp import web
 
-import jitney
 from jitney.scheduler.api.http.openai.protocol import APIError, parse_request, serving_state
 from jitney.scheduler.api.servicer import GenerationServicer
 from jitney.scheduler.api.validation import validate_tokenize
@@ -42,7 +42,7 @@ class UtilityRoutes:
         router.add_get("/version", self.version)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": jitney.__version__})
+        return web.json_response({"version": version("jitney")})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _body(request, _TOKENIZE_ARGS)
