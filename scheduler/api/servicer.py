@@ -25,6 +25,9 @@ from jitney.scheduler.core.detokenizer import TokenTexts
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.request import FinishReason
+from jitney.scheduler.api.tools.formats import ToolFormat, format_named
+from jitney.scheduler.api.tools.grammar import tool_grammar
+from jitney.scheduler.api.tools.spec import tool_request
 from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
 from jitney.scheduler.core.request import InvalidRequestError, ValidatedRequest
 
@@ -69,11 +72,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ``api_keys``: whether the doors check keys (metrics then carry a key label);
     ``model_names``: the names both doors answer to, the primary first
     (``--served-model-name``; empty: the worker's ``model_name``);
-    ``sampling_defaults``: the generation config's defaults for unset fields."""
+    ``sampling_defaults``: the generation config's defaults for unset fields;
+    ``tool_call_parser``: the tool-call format (``--tool-call-parser``: auto, read
+    from the chat template, or a family of scheduler/api/tools/formats.py);
+    ``reasoning``: whether output starts with a <think> block that is parsed
+    apart (``--reasoning-parser``: auto = when the chat template mentions </think>,
+    on, off)."""
 
     def __init__(self, metrics: Metrics | None = None, *, api_keys: bool = False,
                  key_limits: KeyLimiter | None = None, model_names: Sequence[str] = (),
-                 sampling_defaults: SamplingDefaults | None = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None, tool_call_parser: str = "auto",
+                 reasoning: str = "auto") -> None:
+        format_named(tool_call_parser, None)       # a bad name fails at start-up
+        if reasoning not in ("auto", "on", "off"):
+            raise ValueError(f"--reasoning-parser must be auto, on or off, got {reasoning!r}")
+        self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning
         self.state: ServingState | None = None
         self.model_names = tuple(model_names)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
@@ -92,6 +106,27 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def served_names(self, state: ServingState) -> tuple[str, ...]:
         """The model's names in the API, the primary first."""
         return self.model_names or (state.ready.model_name,)
+
+    def tool_format(self, state: ServingState) -> ToolFormat:
+        """How the served model writes tool calls."""
+        return format_named(self.tool_call_parser, getattr(state.tokenizer, "chat_template", None))
+
+    def reasoning_mode(self, state: ServingState, params: pb.GenerationParams,
+                       prompt_ids: Sequence[int]) -> str:
+        """"on": the output starts inside a reasoning block (the prompt opened one);
+        "maybe": it may open one with <think>; "off": no reasoning is parsed (a
+        model that does not reason, a text prompt, or the template closed it:
+        Qwen3's with enable_thinking false)."""
+        template = getattr(state.tokenizer, "chat_template", None) or ""
+        if self.reasoning == "off" or params.WhichOneof("prompt") != "chat":
+            return "off"
+        if self.reasoning == "auto" and "</think>" not in template:
+            return "off"
+        tail = str(state.tokenizer.decode(list(prompt_ids[-24:])))
+        opened, closed = tail.rfind("<think>"), tail.rfind("</think>")
+        if opened > closed:
+            return "on"
+        return "off" if closed >= 0 else "maybe"
 
     def token_texts(self, state: ServingState) -> TokenTexts:
         """Token id -> text, for logprobs (one cache per tokenizer)."""
@@ -163,11 +198,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             filled.CopyFrom(params)
             defaults.fill(filled.sampling, state.limits.vocab_size)
             params = filled
-        validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+        fmt = self.tool_format(state)
+        validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed,
+                                        tool_format=fmt)
         max_tokens = defaults.max_tokens_for(params.sampling, validated.sampling.max_tokens,
                                              validated.sampling.min_tokens)
         if max_tokens != validated.sampling.max_tokens:
             validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
+        tools = tool_request(params)
+        if tools is not None and tools.callable:
+            if params.HasField("response_format"):
+                raise InvalidRequestError("params.response_format",
+                                          "together with tools is not supported (set tool_choice none)")
+            compiler = await self._grammar_compiler(state)
+            grammar = await compiler.compile_lark(tool_grammar(fmt, tools), "params.tools")
+            return replace(validated, grammar=grammar)
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)

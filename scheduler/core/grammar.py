@@ -278,6 +278,8 @@ def _engine_grammar(kind: str, text: str, lenient: bool) -> str:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
         return llguidance.grammar_from("choice", text)
+    if kind == "lark":
+        return llguidance.grammar_from("lark", text)
     return llguidance.grammar_from("gbnf", text)   # GBNF (root ::= ...); Lark is accepted too
 
 
@@ -472,6 +474,15 @@ class GrammarCompiler:
         message) for a format that does not compile or took over ``compile_timeout``;
         GrammarCompilerBusyError when no compile thread can be had."""
         key, field = _source(fmt)
+        return await self._compile(key, field)
+
+    async def compile_lark(self, text: str, field: str) -> CompiledGrammar:
+        """A grammar in llguidance's Lark syntax (the tool-call grammars of
+        scheduler/api/tools/grammar.py), cached by its text like a format; errors
+        name ``field``."""
+        return await self._compile(("lark", text, False), field)
+
+    async def _compile(self, key: Key, field: str) -> CompiledGrammar:
         hit = self._cached(key)
         if hit is not None:
             return hit

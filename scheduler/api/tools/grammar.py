@@ -1,0 +1,65 @@
+"""The llguidance (Lark) grammar that holds a request's tool calls to its tools'
+schemas.
+
+    forced (required, a named tool):  OPEN FIRST call (BETWEEN call)* LAST
+    auto:                              TEXT | PRE FIRST call (BETWEEN call)* LAST
+
+``TEXT`` is free text that never contains the format's marker; ``PRE`` is free
+text that ends at the marker's first occurrence, so an unconstrained start can
+still only produce schema-valid calls once it writes the marker. A format with
+no marker (Llama 3) calls only at the start: its free text may not begin with
+``{``. ``parallel`` false: exactly one call. Each call is
+``{"name": "N", "arguments": ARGS}`` with ARGS a ``%json`` sub-grammar of the
+tool's schema, compact and with closed objects (as response_format's strict
+JSON, scheduler/core/grammar.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from jitney.scheduler.api.tools.formats import ToolFormat
+from jitney.scheduler.api.tools.spec import ToolRequest
+from jitney.scheduler.core.grammar import COMPACT_JSON_OPTIONS, close_objects
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)
+
+
+def _regex(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
+
+
+def tool_grammar(fmt: ToolFormat, req: ToolRequest) -> str:
+    """The Lark text for ``req`` (choice auto, required or function) in ``fmt``."""
+    tools = req.callable
+    rules = ["%llguidance {}"]
+    calls = ["calls:"]
+    if fmt.first:
+        calls.append(_literal(fmt.first))
+    calls.append("call")
+    if req.parallel:
+        calls.append(f"({_literal(fmt.between)} call)*")
+    if fmt.last:
+        calls.append(_literal(fmt.last))
+    if req.forced:
+        rules.append(f"start: {_literal(fmt.open)} calls" if fmt.open else "start: calls")
+    elif fmt.open:
+        mark = _regex(fmt.open)
+        rules.append("start: TEXT | PRE calls")
+        rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{mark}.*)/")
+        rules.append(f"PRE: /(?s:.*){mark}/ & ~/(?s:.*{mark}.+)/")
+    else:
+        rules.append("start: TEXT | calls")
+        rules.append("TEXT: /(?s:.+)/ & ~/(?s:\\s*\\{.*)/")
+    rules.append(" ".join(calls))
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    for i, tool in enumerate(tools):
+        head = f'{{"name": {json.dumps(tool.name)}, "{fmt.args_key}": '
+        rules.append(f"call_{i}: {_literal(head)} args_{i} \"}}\"")
+        schema = close_objects(tool.parameters)
+        schema["x-guidance"] = dict(COMPACT_JSON_OPTIONS)
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "\n".join(rules) + "\n"
