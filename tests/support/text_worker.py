@@ -3,7 +3,7 @@
 In a masked chunk it picks, among the tokens the mask allows, the one whose text is
 the longest prefix of what is left of ``target`` (llguidance allows only canonical
 tokens where the grammar forces text, so a fixed token script would drift); when the
-target is spelled, EOS if allowed. ``rng`` set: a random allowed token instead
+target is spelled or refused, EOS if allowed, else closing characters. ``rng`` set: a random allowed token instead
 (biased towards JSON's closing characters so random walks end), for property tests.
 Unmasked chunks spell ``plain`` as ScriptedWorker does.
 """
@@ -52,4 +52,8 @@ def pick(ok: list[int], texts: list[str], rest: str, rng: random.Random | None) 
                key=lambda t: len(texts[t]), default=None)
     if best is not None:
         return best
-    return EOS if EOS in ok else ok[0]
+    if EOS in ok:
+        return EOS
+    # Off the target (the grammar refused it): head for the end of the output.
+    closing = [t for t in ok if texts[t] and texts[t][0] in '"}]\n<']
+    return min(closing, key=lambda t: len(texts[t])) if closing else ok[0]
