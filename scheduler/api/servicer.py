@@ -211,7 +211,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 raise InvalidRequestError("params.response_format",
                                           "together with tools is not supported (set tool_choice none)")
             compiler = await self._grammar_compiler(state)
-            grammar = await compiler.compile_lark(tool_grammar(fmt, tools), "params.tools")
+            reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
+            grammar = await compiler.compile_lark(tool_grammar(fmt, tools, reasoning), "params.tools")
             return replace(validated, grammar=grammar)
         if not params.HasField("response_format"):
             return validated

@@ -103,7 +103,8 @@ def template_message(role: str, content: str, calls: list[tuple[str, str, str]],
         if role == "tool":
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
         return {"role": role, "content": content}
-    out: dict[str, Any] = {"role": role, "content": content if content or not calls else None}
+    # "" rather than None without text: templates do string tests on content (Qwen3's "in")
+    out: dict[str, Any] = {"role": role, "content": content}
     if calls:
         out["tool_calls"] = [{"id": i, "type": "function",
                               "function": {"name": n, "arguments": json.loads(a or "{}")}}

@@ -32,10 +32,20 @@ def _regex(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
-def tool_grammar(fmt: ToolFormat, req: ToolRequest) -> str:
-    """The Lark text for ``req`` (choice auto, required or function) in ``fmt``."""
+def tool_grammar(fmt: ToolFormat, req: ToolRequest, reasoning: str = "off") -> str:
+    """The Lark text for ``req`` (choice auto, required or function) in ``fmt``.
+    ``reasoning`` (OutputParser's mode): "on", the output starts inside a reasoning
+    block, free up to its ``</think>``; "maybe", it may start with one; the calls'
+    grammar applies after it."""
     tools = req.callable
     rules = ["%llguidance {}"]
+    if reasoning in ("on", "maybe"):
+        head = "" if reasoning == "on" else "<think>"
+        rules.append("start: REASON body" if reasoning == "on" else "start: REASON? body")
+        rules.append(rf"REASON: /{_regex(head)}(?s:.*)<\/think>[ \n]*/ & ~/(?s:.*<\/think>.*<\/think>.*)/")
+        rules.append("body: main")
+    else:
+        rules.append("start: main")
     calls = ["calls:"]
     if fmt.first:
         calls.append(_literal(fmt.first))
@@ -45,14 +55,14 @@ def tool_grammar(fmt: ToolFormat, req: ToolRequest) -> str:
     if fmt.last:
         calls.append(_literal(fmt.last))
     if req.forced:
-        rules.append(f"start: {_literal(fmt.open)} calls" if fmt.open else "start: calls")
+        rules.append(f"main: {_literal(fmt.open)} calls" if fmt.open else "main: calls")
     elif fmt.open:
         mark = _regex(fmt.open)
-        rules.append("start: TEXT | PRE calls")
+        rules.append("main: TEXT | PRE calls")
         rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{mark}.*)/")
         rules.append(f"PRE: /(?s:.*){mark}/ & ~/(?s:.*{mark}.+)/")
     else:
-        rules.append("start: TEXT | calls")
+        rules.append("main: TEXT | calls")
         rules.append("TEXT: /(?s:.+)/ & ~/(?s:\\s*\\{.*)/")
     rules.append(" ".join(calls))
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))

@@ -1,0 +1,132 @@
+"""Each family's tool-call format against that family's real chat template
+(tests/support/data/chat_templates/, sources in its README), and the formats'
+parsers on their own layouts: detection from the template's text, tools and tool
+turns rendered by the template, the template's own rendering of a call parsed back
+and accepted by the grammar, and Qwen3's <think> block split off."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from jitney.scheduler.api.http.openai.protocol import parse_request
+from jitney.scheduler.api.servicer import GenerationServicer
+from jitney.scheduler.api.tools.formats import FORMATS, GENERIC, HERMES, LLAMA3, MISTRAL, detect_format, format_named
+from jitney.scheduler.api.tools.grammar import tool_grammar
+from jitney.scheduler.api.tools.spec import tool_request
+from jitney.scheduler.api.tools.stream import OutputParser
+from jitney.scheduler.api.validation import ModelLimits, render_prompt
+from jitney.scheduler.core.grammar import GrammarCompiler
+from tests.support.scripted_worker import EOS, VOCAB, make_tokenizer
+
+TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
+QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TURNS = [{"role": "user", "content": "weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer() -> Any:
+    tok = make_tokenizer()
+    tok.chat_template = QWEN3
+    return tok
+
+
+def render(tok: Any, body: dict[str, Any]) -> str:
+    params = parse_request(body, chat=True).params
+    ids = render_prompt(params, tok, ModelLimits(vocab_size=VOCAB, context_length=100_000), path="params",
+                        tools=tool_request(params), tool_format=detect_format(tok.chat_template))
+    return str(tok.decode(ids))
+
+
+def test_detection_from_the_template_text() -> None:
+    assert detect_format(QWEN3) is HERMES
+    assert detect_format(make_tokenizer().chat_template) is GENERIC      # ChatML without tools
+    assert detect_format("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]") is MISTRAL
+    assert detect_format("{% if tools %}<|python_tag|>{% endif %}") is LLAMA3
+    assert format_named("llama3", QWEN3) is LLAMA3
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        format_named("nope", None)
+
+
+def test_qwen3_renders_tools_and_tool_turns(qwen_tokenizer: Any) -> None:
+    text = render(qwen_tokenizer, {"messages": TURNS, "tools": TOOLS})
+    assert "<tools>\n" + json.dumps(TOOLS[0]) in text
+    # arguments reach the template as a dict (transformers' convention): tojson writes them back
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>" in text
+
+
+def test_qwen3s_own_call_rendering_parses_back_and_fits_the_grammar(qwen_tokenizer: Any) -> None:
+    text = render(qwen_tokenizer, {"messages": TURNS, "tools": TOOLS})
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    parser = OutputParser(HERMES)
+    for ch in turn:                      # one character at a time: the parser's worst case
+        parser.feed(ch)
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"})]
+    assert parser.content.strip() == ""
+    params = parse_request({"messages": TURNS, "tools": TOOLS, "tool_choice": "required"}, chat=True).params
+    req = tool_request(params)
+    assert req is not None
+    compiler = GrammarCompiler(qwen_tokenizer, VOCAB, eos_token_ids=[EOS])
+    matcher = asyncio.run(compiler.compile_lark(tool_grammar(HERMES, req), "params.tools")).new_matcher()
+    for t in qwen_tokenizer(turn, add_special_tokens=False)["input_ids"]:
+        assert matcher.accept_token(t), matcher.error()
+    assert matcher.is_completed()
+
+
+def test_qwen3_reasoning_mode_follows_enable_thinking(qwen_tokenizer: Any) -> None:
+    servicer = GenerationServicer()
+    state: Any = SimpleNamespace(tokenizer=qwen_tokenizer)
+    for kwargs, mode in [({}, "maybe"), ({"enable_thinking": False}, "off")]:
+        params = parse_request({"messages": TURNS[:1], "chat_template_kwargs": kwargs}, chat=True).params
+        ids = render_prompt(params, qwen_tokenizer, ModelLimits(vocab_size=VOCAB, context_length=100_000),
+                            path="params")
+        assert servicer.reasoning_mode(state, params, ids) == mode
+    plain: Any = SimpleNamespace(tokenizer=make_tokenizer())
+    params = parse_request({"messages": TURNS[:1]}, chat=True).params
+    assert servicer.reasoning_mode(plain, params, [1, 2]) == "off"
+    assert GenerationServicer(reasoning="on").reasoning_mode(plain, params, [1, 2]) == "maybe"
+
+
+def test_reasoning_is_split_from_content_and_calls() -> None:
+    text = "<think>\nweather needs a call\n</think>\n\n" + HERMES.calls_text([("f", '{"a": [1, {"b": "}"}]}')])
+    parser = OutputParser(HERMES, "maybe")
+    reasoning = "".join(parser.feed(ch).reasoning for ch in text) + parser.finish().reasoning
+    assert reasoning == parser.reasoning == "\nweather needs a call\n"
+    assert [(c.name, c.arguments) for c in parser.calls] == [("f", '{"a": [1, {"b": "}"}]}')]
+    plain = OutputParser(None, "on")
+    plain.feed("still thinking</think>the answer")
+    plain.finish()
+    assert (plain.reasoning, plain.content) == ("still thinking", "the answer")
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_formats_layout_parses_back(name: str) -> None:
+    fmt = FORMATS[name]
+    calls = [("get_weather", '{"city": "Paris \\"17\\""}'), ("get_time", '{"zone": "UTC", "n": [1, 2]}')]
+    text = ("" if not fmt.open else "One moment. ") + fmt.calls_text(calls)
+    parser = OutputParser(fmt)
+    pieces = [parser.feed(text[i:i + 3]) for i in range(0, len(text), 3)] + [parser.finish()]
+    assert [(c.name, c.arguments) for c in parser.calls] == calls
+    for i, (_, args) in enumerate(calls):
+        assert "".join(d.arguments for p in pieces for d in p.calls if d.index == i) == args
+    assert parser.content == ("" if not fmt.open else "One moment. ")
+
+
+def test_llama3_text_that_does_not_start_with_a_call_is_content() -> None:
+    parser = OutputParser(LLAMA3)
+    parser.feed('The call would be {"name": "f", "parameters": {}}')
+    parser.finish()
+    assert parser.calls == [] and parser.content.startswith("The call")
