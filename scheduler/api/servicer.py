@@ -28,6 +28,7 @@ from jitney.scheduler.core.request import FinishReason
 from jitney.scheduler.api.tools.formats import ToolFormat, format_named
 from jitney.scheduler.api.tools.grammar import tool_grammar
 from jitney.scheduler.api.tools.spec import tool_request
+from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
 from jitney.scheduler.core.request import InvalidRequestError, ValidatedRequest
 
@@ -142,15 +143,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return self.state
 
     async def _submit(self, params: pb.GenerationParams, context: grpc.aio.ServicerContext
-                      ) -> tuple[ServingState, RequestHandle, RequestRecord]:
+                      ) -> tuple[ServingState, RequestHandle, RequestRecord, ValidatedRequest]:
         state = await self._serving(context)
         try:
-            handle, record, _ = await self.admit(state, params, context.time_remaining(),
-                                                 caller_key.get())
+            handle, record, validated = await self.admit(state, params, context.time_remaining(),
+                                                         caller_key.get())
         except RequestRefused as refused:
             await context.abort(grpc.StatusCode[refused.code], refused.message)
             raise AssertionError("unreachable") from None
-        return state, handle, record
+        return state, handle, record, validated
+
+    def output_parsers(self, state: ServingState, params: pb.GenerationParams, prompt_ids: Sequence[int],
+                       n: int) -> list[OutputParser] | None:
+        """One parser per sample where the answer is split (tools with a tool_choice other
+        than none, or a reasoning model); None where its text is all content."""
+        fmt = self.tool_format(state) if params.tools and params.tool_choice != "none" else None
+        reasoning = self.reasoning_mode(state, params, prompt_ids)
+        if fmt is None and reasoning == "off":
+            return None
+        return [OutputParser(fmt, reasoning) for _ in range(n)]
 
     async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None,
                     key: str | None = None) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
@@ -233,13 +244,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext):  # type: ignore[override]
-        state, handle, record = await self._submit(request.params, context)
+        state, handle, record, validated = await self._submit(request.params, context)
         texts = self.token_texts(state)
         sampled_texts = request.params.sampling.HasField("top_logprobs")
+        parsers = self.output_parsers(state, request.params, validated.prompt_token_ids, len(handle.samples))
         try:
             async for event in handle.stream():
                 await _record(record, event, context)
-                yield _stream_response(handle.request_id, event, texts, sampled_texts)
+                response = _stream_response(handle.request_id, event, texts, sampled_texts)
+                _split_stream(response, event, parsers)
+                yield response
         finally:
             # Runs on normal end, on error and when the client cancels or
             # disconnects (the handler task is cancelled): frees the blocks.
@@ -248,9 +262,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        state, handle, record = await self._submit(request.params, context)
+        state, handle, record, validated = await self._submit(request.params, context)
         texts = self.token_texts(state)
         sampled_texts = request.params.sampling.HasField("top_logprobs")
+        parsers = self.output_parsers(state, request.params, validated.prompt_token_ids, len(handle.samples))
         response = pb.GenerateResponse(request_id=handle.request_id)
         samples = [pb.GeneratedSample(index=i) for i in range(len(handle.samples))]
         try:
@@ -272,8 +287,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         finally:
             record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
+        for sample in samples:
+            _split_whole(sample, parsers[sample.index] if parsers else None)
         first = samples[0]
         response.text, response.finish_reason = first.text, first.finish_reason
+        response.content, response.reasoning_content = first.content, first.reasoning_content
+        response.tool_calls.extend(first.tool_calls)
         response.token_ids.extend(first.token_ids)
         response.logprobs.extend(first.logprobs)
         response.top_logprobs.extend(first.top_logprobs)
@@ -344,6 +363,35 @@ async def _record(record: RequestRecord, event: StreamEvent,
     if event.stream_done:
         assert event.finish_reason is not None
         record.on_finish(event.finish_reason.value)
+
+
+def _split_stream(response: pb.GenerateStreamResponse, event: StreamEvent,
+                  parsers: list[OutputParser] | None) -> None:
+    """A stream message's content / reasoning / tool-call deltas (content = text without parsers)."""
+    if parsers is None:
+        response.content = event.text
+        return
+    parser = parsers[event.sample_index]
+    deltas = parser.feed(event.text)
+    if event.finish_reason is not None:
+        rest = parser.finish()
+        deltas.content += rest.content
+        deltas.reasoning += rest.reasoning
+    response.content, response.reasoning_content = deltas.content, deltas.reasoning
+    for d in deltas.calls:
+        response.tool_call_deltas.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+
+
+def _split_whole(sample: pb.GeneratedSample, parser: OutputParser | None) -> None:
+    if parser is None:
+        sample.content = sample.text
+        return
+    parser.feed(sample.text)
+    parser.finish()
+    sample.content = parser.content.strip() if parser.calls else parser.content
+    sample.reasoning_content = parser.reasoning
+    for call in parser.calls:
+        sample.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
 
 
 def _prompt_for_log(params: pb.GenerationParams) -> object:

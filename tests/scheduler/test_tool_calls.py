@@ -225,3 +225,48 @@ def test_bad_tool_requests_name_the_parameter(server: Harness, body: dict[str, A
 
 def test_no_blocks_leak(server: Harness) -> None:
     assert server.engine_load()[3] == 0
+
+
+def grpc_params(**kw: Any) -> Any:
+    from jitney.v1 import generation_pb2 as pb
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="weather in Paris?")])
+    return pb.GenerationParams(chat=chat, sampling=pb.SamplingParams(max_tokens=200), **kw)
+
+
+def test_grpc_calls_whole_and_streamed(server: Harness) -> None:
+    from jitney.v1 import generation_pb2 as pb
+    tools = [pb.Tool(name="get_weather", parameters=json.dumps(WEATHER["function"]["parameters"]))]
+    spell(server, call("get_weather", '{"city": "Rome"}'))
+    reply = server.stub.Generate(pb.GenerateRequest(params=grpc_params(tools=tools, tool_choice="required")),
+                                 timeout=20)
+    [tc] = reply.tool_calls
+    assert (tc.name, tc.arguments) == ("get_weather", '{"city": "Rome"}') and tc.id.startswith("call_")
+    assert reply.content == "" and reply.text.startswith("<tool_call>")
+    spell(server, call("get_weather", '{"city": "Rome"}'))
+    parts = list(server.stub.GenerateStream(
+        pb.GenerateStreamRequest(params=grpc_params(tools=tools, tool_choice="required")), timeout=20))
+    deltas = [d for p in parts for d in p.tool_call_deltas]
+    assert deltas[0].name == "get_weather" and deltas[0].id and all(not d.id for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == '{"city": "Rome"}'
+
+
+def test_grpc_plain_answer_is_all_content(server: Harness) -> None:
+    from jitney.v1 import generation_pb2 as pb
+    reply = server.stub.Generate(pb.GenerateRequest(params=grpc_params()), timeout=20)
+    assert reply.content == reply.text == PLAIN and not reply.tool_calls
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"tools": [{"name": "f", "parameters": "[1"}]}, "params.tools[0].parameters"),
+    ({"tools": [{"name": "f"}], "tool_choice": "function", "tool_choice_function": "g"},
+     "params.tool_choice_function"),
+    ({"tool_choice": "required"}, "params.tool_choice"),
+])
+def test_grpc_bad_tools_are_invalid_argument(server: Harness, kw: dict[str, Any], field: str) -> None:
+    import grpc
+    from jitney.v1 import generation_pb2 as pb
+    tools = [pb.Tool(**t) for t in kw.pop("tools", [])]
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub.Generate(pb.GenerateRequest(params=grpc_params(tools=tools, **kw)), timeout=20)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
