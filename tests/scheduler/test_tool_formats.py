@@ -130,3 +130,29 @@ def test_llama3_text_that_does_not_start_with_a_call_is_content() -> None:
     parser.feed('The call would be {"name": "f", "parameters": {}}')
     parser.finish()
     assert parser.calls == [] and parser.content.startswith("The call")
+
+
+LLAMA32 = (TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()
+
+
+def test_llama32_template_is_llama3_and_its_call_parses_back() -> None:
+    assert detect_format(LLAMA32) is LLAMA3
+    tok = make_tokenizer()
+    tok.chat_template = LLAMA32
+    text = render(tok, {"messages": TURNS, "tools": TOOLS})
+    assert '"name": "get_weather"' in text.split("weather in Paris?")[0]   # tools in the first user turn
+    turn = text.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
+    assert turn == '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    parser = OutputParser(LLAMA3)
+    for ch in turn:
+        parser.feed(ch)
+    parser.finish()
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get_weather", '{"city": "Paris"}')]
+    params = parse_request({"messages": TURNS, "tools": TOOLS, "tool_choice": "required"}, chat=True).params
+    req = tool_request(params)
+    assert req is not None
+    compiler = GrammarCompiler(tok, VOCAB, eos_token_ids=[EOS])
+    matcher = asyncio.run(compiler.compile_lark(tool_grammar(LLAMA3, req), "params.tools")).new_matcher()
+    for t in tok(turn, add_special_tokens=False)["input_ids"]:
+        assert matcher.accept_token(t), matcher.error()
+    assert matcher.is_completed()
