@@ -103,7 +103,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                "tool": "tool"}
 # Message keys allowed when null or empty (clients echo assistant turns back).
-_EMPTY_MESSAGE_KEYS = frozenset({"function_call", "refusal", "audio", "annotations", "reasoning_content"})
+_EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations",
+                                 "reasoning_content"})
 
 
 class APIError(Exception):
