@@ -7,6 +7,7 @@ client can cause ends as a gRPC status on that call only.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from jitney.scheduler.core.engine import Engine, EngineUnavailableError, Request
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.request import FinishReason
 from jitney.scheduler.api.tools.formats import ToolFormat, format_named
-from jitney.scheduler.api.tools.grammar import tool_grammar
+from jitney.scheduler.api.tools.grammar import reasoned_json_grammar, tool_grammar
 from jitney.scheduler.api.tools.spec import tool_request
 from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
@@ -228,6 +229,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)
+        fmt_kind = params.response_format.WhichOneof("format")
+        reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
+        if reasoning != "off" and fmt_kind in ("json_schema", "json_object"):
+            # The format applies to the answer after the reasoning block.
+            rf = params.response_format
+            try:
+                schema = json.loads(rf.json_schema) if fmt_kind == "json_schema" else None
+            except ValueError as exc:
+                raise InvalidRequestError("params.response_format.json_schema", f"not JSON: {exc}") from None
+            text = reasoned_json_grammar(schema, rf.lenient_json, reasoning)
+            return replace(validated, grammar=await compiler.compile_lark(text, f"params.response_format.{fmt_kind}"))
         return replace(validated, grammar=await compiler.compile(params.response_format))
 
     async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:

@@ -156,3 +156,63 @@ def test_llama32_template_is_llama3_and_its_call_parses_back() -> None:
     for t in tok(turn, add_special_tokens=False)["input_ids"]:
         assert matcher.accept_token(t), matcher.error()
     assert matcher.is_completed()
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tests.support.door_harness import Harness
+    from tests.support.text_worker import TextWorker
+    tok = make_tokenizer()
+    tok.chat_template = QWEN3
+    harness = Harness(tmp_path_factory.mktemp("ipc"), tok)
+    harness.worker = TextWorker(tok)
+    try:
+        harness.start_worker()
+        yield harness
+    finally:
+        harness.close()
+
+
+def test_qwen3_thinks_then_calls_through_the_door(qwen_server: Any) -> None:
+    from tests.support.scripted_worker import MODEL
+    call = HERMES.calls_text([("get_weather", '{"city": "Paris"}')])
+    qwen_server.worker.target = "<think>\nneeds the weather tool\n</think>\n\n" + call
+    qwen_server.worker.spelled.clear()
+    reply = qwen_server.client.chat.completions.create(model=MODEL, messages=TURNS[:1], tools=TOOLS,
+                                                       tool_choice="required", max_tokens=200)
+    message = reply.choices[0].message
+    assert message.model_extra is not None and message.model_extra["reasoning_content"] == "\nneeds the weather tool\n"
+    assert [(t.function.name, t.function.arguments) for t in message.tool_calls or []] == [
+        ("get_weather", '{"city": "Paris"}')]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    qwen_server.worker.target = "<think>short</think>\n" + call
+    qwen_server.worker.spelled.clear()
+    reasoning, args = "", ""
+    for chunk in qwen_server.client.chat.completions.create(model=MODEL, messages=TURNS[:1], tools=TOOLS,
+                                                            tool_choice="required", max_tokens=200, stream=True):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            args += "".join(t.function.arguments or "" for t in c.delta.tool_calls or [])
+    assert (reasoning, args) == ("short", '{"city": "Paris"}')
+
+
+def test_response_format_applies_after_the_reasoning(qwen_server: Any) -> None:
+    import pydantic
+    from tests.support.scripted_worker import MODEL
+
+    class Answer(pydantic.BaseModel):
+        answer: str
+    qwen_server.worker.target = '<think>easy</think>\n\n{"answer": "yes"}'
+    qwen_server.worker.spelled.clear()
+    reply = qwen_server.client.chat.completions.parse(model=MODEL, messages=TURNS[:1], response_format=Answer,
+                                                      max_tokens=100)
+    assert reply.choices[0].message.parsed == Answer(answer="yes")
+    assert (reply.choices[0].message.model_extra or {})["reasoning_content"] == "easy"
+    # enable_thinking false: the template closes the block itself; nothing is parsed as reasoning
+    qwen_server.worker.target = '{"answer": "no"}'
+    qwen_server.worker.spelled.clear()
+    reply = qwen_server.client.chat.completions.parse(
+        model=MODEL, messages=TURNS[:1], response_format=Answer, max_tokens=100,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].message.parsed == Answer(answer="no")
+    assert "reasoning_content" not in (reply.choices[0].message.model_extra or {})

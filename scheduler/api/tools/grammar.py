@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from jitney.scheduler.api.tools.formats import ToolFormat
 from jitney.scheduler.api.tools.spec import ToolRequest
-from jitney.scheduler.core.grammar import COMPACT_JSON_OPTIONS, close_objects
+from jitney.scheduler.core.grammar import COMPACT_JSON_OPTIONS, LENIENT_JSON_OPTIONS, close_objects
 
 
 def _literal(text: str) -> str:
@@ -38,14 +39,7 @@ def tool_grammar(fmt: ToolFormat, req: ToolRequest, reasoning: str = "off") -> s
     block, free up to its ``</think>``; "maybe", it may start with one; the calls'
     grammar applies after it."""
     tools = req.callable
-    rules = ["%llguidance {}"]
-    if reasoning in ("on", "maybe"):
-        head = "" if reasoning == "on" else "<think>"
-        rules.append("start: REASON body" if reasoning == "on" else "start: REASON? body")
-        rules.append(rf"REASON: /{_regex(head)}(?s:.*)<\/think>[ \n]*/ & ~/(?s:.*<\/think>.*<\/think>.*)/")
-        rules.append("body: main")
-    else:
-        rules.append("start: main")
+    rules = _start(reasoning)
     calls = ["calls:"]
     if fmt.first:
         calls.append(_literal(fmt.first))
@@ -73,3 +67,28 @@ def tool_grammar(fmt: ToolFormat, req: ToolRequest, reasoning: str = "off") -> s
         schema["x-guidance"] = dict(COMPACT_JSON_OPTIONS)
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     return "\n".join(rules) + "\n"
+
+
+def _start(reasoning: str) -> list[str]:
+    """The grammar's head: ``start`` is ``main``, after a reasoning block where the
+    model reasons ("on": the output starts inside it, free up to its ``</think>``;
+    "maybe": it may start with one)."""
+    rules = ["%llguidance {}"]
+    if reasoning not in ("on", "maybe"):
+        return rules + ["start: main"]
+    head = "" if reasoning == "on" else "<think>"
+    rules.append("start: REASON main" if reasoning == "on" else "start: REASON? main")
+    rules.append(rf"REASON: /{_regex(head)}(?s:.*)<\/think>[ \n]*/ & ~/(?s:.*<\/think>.*<\/think>.*)/")
+    return rules
+
+
+def reasoned_json_grammar(schema: dict[str, Any] | None, lenient: bool, reasoning: str) -> str:
+    """A JSON response format (``schema`` None: any object) that applies after the
+    reasoning block: as scheduler/core/grammar.py compiles it, compact and closed
+    unless ``lenient``."""
+    if schema is None:
+        schema = {"type": "object"}
+    elif not lenient:
+        schema = close_objects(schema)
+    schema = dict(schema, **{"x-guidance": dict(LENIENT_JSON_OPTIONS if lenient else COMPACT_JSON_OPTIONS)})
+    return "\n".join(_start(reasoning) + [f"main: %json {json.dumps(schema)}"]) + "\n"

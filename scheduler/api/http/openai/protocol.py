@@ -25,6 +25,11 @@ Decisions (the OpenAI API leaves them to the server, or Jitney differs):
     as OpenAI's: calls are parsed in the model family's format and their
     arguments always validate against the tool's schema (a grammar:
     scheduler/api/tools/). ``response_format`` with tools is refused.
+  * A model that reasons in ``<think>...</think>`` (its chat template says so,
+    or ``--reasoning-parser on``) answers ``reasoning_content`` apart from
+    ``content`` (vLLM's field); tool calls and a JSON response format apply
+    after the block. ``chat_template_kwargs`` ``enable_thinking`` false (Qwen3):
+    nothing is parsed as reasoning.
   * vLLM's extra arguments: ``top_k`` (-1 or 0 = off), ``min_p``,
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
     ``stop_token_ids``, ``chat_template_kwargs`` (chat: variables for the
