@@ -83,6 +83,8 @@ class SchedulerProcessConfig:
     responses_store_enabled: bool = True  # off: --no-responses-store (nothing stored)
     responses_store_max_mb: float = 512.0      # stored responses' bytes cap (MiB); oldest evicted first
     responses_store_max_age: float = 30 * 24 * 3600.0  # seconds a stored response is kept
+    tool_call_parser: str = "auto"       # tool-call format: auto (from the chat template) or a family
+    reasoning_parser: str = "auto"       # <think> output split off: auto (from the template), on, off
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -94,7 +96,8 @@ class SchedulerProcessConfig:
                    generation_config=ns.generation_config, **security_fields(ns),
                    responses_store=ns.responses_store, responses_store_enabled=not ns.no_responses_store,
                    responses_store_max_mb=ns.responses_store_max_mb,
-                   responses_store_max_age=ns.responses_store_max_age)
+                   responses_store_max_age=ns.responses_store_max_age,
+                   tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -172,6 +175,14 @@ def add_model_setting_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template that replaces the model's own, for chat prompts on both doors "
                              "(checked at start: it must render a one-message conversation)")
+    parser.add_argument("--tool-call-parser", default="auto",
+                        choices=("auto", "hermes", "generic", "llama3", "mistral"),
+                        help="how the model writes tool calls (scheduler/api/tools/formats.py): auto (default) "
+                             "reads the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> "
+                             "llama3; a template without tools: generic, the tools described in the system turn)")
+    parser.add_argument("--reasoning-parser", default="auto", choices=("auto", "on", "off"),
+                        help="split <think>...</think> output off as reasoning_content: auto (default) where the "
+                             "chat template mentions </think>, on, off")
     parser.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
                         help="default sampling parameters for fields a request leaves unset: auto (default) "
                              "takes the model's generation_config.json (temperature, top_p, top_k, min_p, "
@@ -252,7 +263,8 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
     curve_keys = _link_keys(cfg)     # before anything binds: a LinkSecurityError stops the start
     servicer = GenerationServicer(api_keys=security.keys is not None,
                                   key_limits=KeyLimiter(security.max_requests_per_key),
-                                  model_names=settings.names, sampling_defaults=settings.sampling_defaults)
+                                  model_names=settings.names, sampling_defaults=settings.sampling_defaults,
+                                  tool_call_parser=cfg.tool_call_parser, reasoning=cfg.reasoning_parser)
     if settings.sampling_defaults.values():
         print(f"jitney: {settings.sampling_defaults.describe()}", flush=True)
     health_servicer = health.aio.HealthServicer()

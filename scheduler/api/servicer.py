@@ -7,6 +7,7 @@ client can cause ends as a gRPC status on that call only.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Sequence
@@ -25,6 +26,10 @@ from jitney.scheduler.core.detokenizer import TokenTexts
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.request import FinishReason
+from jitney.scheduler.api.tools.formats import ToolFormat, format_named
+from jitney.scheduler.api.tools.grammar import reasoned_json_grammar, tool_grammar
+from jitney.scheduler.api.tools.spec import tool_request
+from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
 from jitney.scheduler.core.request import InvalidRequestError, ValidatedRequest
 
@@ -69,11 +74,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ``api_keys``: whether the doors check keys (metrics then carry a key label);
     ``model_names``: the names both doors answer to, the primary first
     (``--served-model-name``; empty: the worker's ``model_name``);
-    ``sampling_defaults``: the generation config's defaults for unset fields."""
+    ``sampling_defaults``: the generation config's defaults for unset fields;
+    ``tool_call_parser``: the tool-call format (``--tool-call-parser``: auto, read
+    from the chat template, or a family of scheduler/api/tools/formats.py);
+    ``reasoning``: whether output starts with a <think> block that is parsed
+    apart (``--reasoning-parser``: auto = when the chat template mentions </think>,
+    on, off)."""
 
     def __init__(self, metrics: Metrics | None = None, *, api_keys: bool = False,
                  key_limits: KeyLimiter | None = None, model_names: Sequence[str] = (),
-                 sampling_defaults: SamplingDefaults | None = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None, tool_call_parser: str = "auto",
+                 reasoning: str = "auto") -> None:
+        format_named(tool_call_parser, None)       # a bad name fails at start-up
+        if reasoning not in ("auto", "on", "off"):
+            raise ValueError(f"--reasoning-parser must be auto, on or off, got {reasoning!r}")
+        self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning
         self.state: ServingState | None = None
         self.model_names = tuple(model_names)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
@@ -93,6 +109,27 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """The model's names in the API, the primary first."""
         return self.model_names or (state.ready.model_name,)
 
+    def tool_format(self, state: ServingState) -> ToolFormat:
+        """How the served model writes tool calls."""
+        return format_named(self.tool_call_parser, getattr(state.tokenizer, "chat_template", None))
+
+    def reasoning_mode(self, state: ServingState, params: pb.GenerationParams,
+                       prompt_ids: Sequence[int]) -> str:
+        """"on": the output starts inside a reasoning block (the prompt opened one);
+        "maybe": it may open one with <think>; "off": no reasoning is parsed (a
+        model that does not reason, a text prompt, or the template closed it:
+        Qwen3's with enable_thinking false)."""
+        template = getattr(state.tokenizer, "chat_template", None) or ""
+        if self.reasoning == "off" or params.WhichOneof("prompt") != "chat":
+            return "off"
+        if self.reasoning == "auto" and "</think>" not in template:
+            return "off"
+        tail = str(state.tokenizer.decode(list(prompt_ids[-24:])))
+        opened, closed = tail.rfind("<think>"), tail.rfind("</think>")
+        if opened > closed:
+            return "on"
+        return "off" if closed >= 0 else "maybe"
+
     def token_texts(self, state: ServingState) -> TokenTexts:
         """Token id -> text, for logprobs (one cache per tokenizer)."""
         if self._token_texts is None or self._token_texts.tokenizer is not state.tokenizer:
@@ -107,15 +144,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return self.state
 
     async def _submit(self, params: pb.GenerationParams, context: grpc.aio.ServicerContext
-                      ) -> tuple[ServingState, RequestHandle, RequestRecord]:
+                      ) -> tuple[ServingState, RequestHandle, RequestRecord, ValidatedRequest]:
         state = await self._serving(context)
         try:
-            handle, record, _ = await self.admit(state, params, context.time_remaining(),
-                                                 caller_key.get())
+            handle, record, validated = await self.admit(state, params, context.time_remaining(),
+                                                         caller_key.get())
         except RequestRefused as refused:
             await context.abort(grpc.StatusCode[refused.code], refused.message)
             raise AssertionError("unreachable") from None
-        return state, handle, record
+        return state, handle, record, validated
+
+    def output_parsers(self, state: ServingState, params: pb.GenerationParams, prompt_ids: Sequence[int],
+                       n: int) -> list[OutputParser] | None:
+        """One parser per sample where the answer is split (tools with a tool_choice other
+        than none, or a reasoning model); None where its text is all content."""
+        fmt = self.tool_format(state) if params.tools and params.tool_choice != "none" else None
+        reasoning = self.reasoning_mode(state, params, prompt_ids)
+        if fmt is None and reasoning == "off":
+            return None
+        return [OutputParser(fmt, reasoning) for _ in range(n)]
 
     async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None,
                     key: str | None = None) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
@@ -163,14 +210,36 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             filled.CopyFrom(params)
             defaults.fill(filled.sampling, state.limits.vocab_size)
             params = filled
-        validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed)
+        fmt = self.tool_format(state)
+        validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed,
+                                        tool_format=fmt)
         max_tokens = defaults.max_tokens_for(params.sampling, validated.sampling.max_tokens,
                                              validated.sampling.min_tokens)
         if max_tokens != validated.sampling.max_tokens:
             validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
+        tools = tool_request(params)
+        if tools is not None and tools.callable:
+            if params.HasField("response_format"):
+                raise InvalidRequestError("params.response_format",
+                                          "together with tools is not supported (set tool_choice none)")
+            compiler = await self._grammar_compiler(state)
+            reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
+            grammar = await compiler.compile_lark(tool_grammar(fmt, tools, reasoning), "params.tools")
+            return replace(validated, grammar=grammar)
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)
+        fmt_kind = params.response_format.WhichOneof("format")
+        reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
+        if reasoning != "off" and fmt_kind in ("json_schema", "json_object"):
+            # The format applies to the answer after the reasoning block.
+            rf = params.response_format
+            try:
+                schema = json.loads(rf.json_schema) if fmt_kind == "json_schema" else None
+            except ValueError as exc:
+                raise InvalidRequestError("params.response_format.json_schema", f"not JSON: {exc}") from None
+            text = reasoned_json_grammar(schema, rf.lenient_json, reasoning)
+            return replace(validated, grammar=await compiler.compile_lark(text, f"params.response_format.{fmt_kind}"))
         return replace(validated, grammar=await compiler.compile(params.response_format))
 
     async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:
@@ -187,13 +256,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext):  # type: ignore[override]
-        state, handle, record = await self._submit(request.params, context)
+        state, handle, record, validated = await self._submit(request.params, context)
         texts = self.token_texts(state)
         sampled_texts = request.params.sampling.HasField("top_logprobs")
+        parsers = self.output_parsers(state, request.params, validated.prompt_token_ids, len(handle.samples))
         try:
             async for event in handle.stream():
                 await _record(record, event, context)
-                yield _stream_response(handle.request_id, event, texts, sampled_texts)
+                response = _stream_response(handle.request_id, event, texts, sampled_texts)
+                _split_stream(response, event, parsers)
+                yield response
         finally:
             # Runs on normal end, on error and when the client cancels or
             # disconnects (the handler task is cancelled): frees the blocks.
@@ -202,9 +274,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        state, handle, record = await self._submit(request.params, context)
+        state, handle, record, validated = await self._submit(request.params, context)
         texts = self.token_texts(state)
         sampled_texts = request.params.sampling.HasField("top_logprobs")
+        parsers = self.output_parsers(state, request.params, validated.prompt_token_ids, len(handle.samples))
         response = pb.GenerateResponse(request_id=handle.request_id)
         samples = [pb.GeneratedSample(index=i) for i in range(len(handle.samples))]
         try:
@@ -226,8 +299,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         finally:
             record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
+        for sample in samples:
+            _split_whole(sample, parsers[sample.index] if parsers else None)
         first = samples[0]
         response.text, response.finish_reason = first.text, first.finish_reason
+        response.content, response.reasoning_content = first.content, first.reasoning_content
+        response.tool_calls.extend(first.tool_calls)
         response.token_ids.extend(first.token_ids)
         response.logprobs.extend(first.logprobs)
         response.top_logprobs.extend(first.top_logprobs)
@@ -298,6 +375,35 @@ async def _record(record: RequestRecord, event: StreamEvent,
     if event.stream_done:
         assert event.finish_reason is not None
         record.on_finish(event.finish_reason.value)
+
+
+def _split_stream(response: pb.GenerateStreamResponse, event: StreamEvent,
+                  parsers: list[OutputParser] | None) -> None:
+    """A stream message's content / reasoning / tool-call deltas (content = text without parsers)."""
+    if parsers is None:
+        response.content = event.text
+        return
+    parser = parsers[event.sample_index]
+    deltas = parser.feed(event.text)
+    if event.finish_reason is not None:
+        rest = parser.finish()
+        deltas.content += rest.content
+        deltas.reasoning += rest.reasoning
+    response.content, response.reasoning_content = deltas.content, deltas.reasoning
+    for d in deltas.calls:
+        response.tool_call_deltas.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+
+
+def _split_whole(sample: pb.GeneratedSample, parser: OutputParser | None) -> None:
+    if parser is None:
+        sample.content = sample.text
+        return
+    parser.feed(sample.text)
+    parser.finish()
+    sample.content = parser.content.strip() if parser.calls else parser.content
+    sample.reasoning_content = parser.reasoning
+    for call in parser.calls:
+        sample.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
 
 
 def _prompt_for_log(params: pb.GenerationParams) -> object:

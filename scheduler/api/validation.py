@@ -28,12 +28,14 @@ from typing import Any
 
 from jitney.v1 import generation_pb2
 from jitney.scheduler.api.template_kwargs import parse_template_kwargs
+from jitney.scheduler.api.tools.formats import GENERIC, ToolFormat, system_text, template_message
+from jitney.scheduler.api.tools.spec import ToolRequest, check_tool_turns, tool_request
 from jitney.scheduler.core.request import InvalidRequestError, SamplingOptions, ValidatedRequest
 
 # A transformers tokenizer (PreTrainedTokenizerBase).
 Tokenizer = Any
 
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_TEMPERATURE = 100.0
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
@@ -71,14 +73,17 @@ def validate_generation(
     limits: ModelLimits,
     *,
     new_seed: Callable[[], int],
+    tool_format: ToolFormat = GENERIC,
 ) -> ValidatedRequest:
     """Check a GenerationParams and resolve its defaults.
 
-    ``new_seed`` draws the seed of a request that sets none. Raises
-    InvalidRequestError on the first broken rule.
+    ``new_seed`` draws the seed of a request that sets none; ``tool_format`` is how
+    the served model writes tool calls (how its tools and tool turns are rendered).
+    Raises InvalidRequestError on the first broken rule.
     """
     request_id = _request_id(params.request_id)
-    prompt = render_prompt(params, tokenizer, limits, path="params")
+    tools = tool_request(params)
+    prompt = render_prompt(params, tokenizer, limits, path="params", tools=tools, tool_format=tool_format)
     _check_prompt_fits(len(prompt), limits, f"params.{params.WhichOneof('prompt')}")
     sampling = _sampling(params.sampling, len(prompt), limits, new_seed,
                          constrained=params.HasField("response_format"))
@@ -107,6 +112,8 @@ def render_prompt(
     limits: ModelLimits,
     *,
     path: str,
+    tools: ToolRequest | None = None,
+    tool_format: ToolFormat = GENERIC,
 ) -> list[int]:
     """Token ids of the prompt set in ``message`` (its ``prompt`` or
     ``input`` oneof): text tokenized, chat rendered with the chat template,
@@ -121,7 +128,7 @@ def render_prompt(
     if kind == "text":
         ids = _render_text(message.text, tokenizer, limits, f"{prefix}text")
     elif kind == "chat":
-        ids = _render_chat(message.chat, tokenizer, limits, f"{prefix}chat")
+        ids = _render_chat(message.chat, tokenizer, limits, f"{prefix}chat", tools, tool_format)
     elif kind == "token_ids" and isinstance(message, generation_pb2.GenerationParams):
         ids = _checked_ids(message.token_ids.ids, limits, f"{prefix}token_ids.ids")
     else:
@@ -142,7 +149,8 @@ def _render_text(text: str, tokenizer: Tokenizer, limits: ModelLimits, field: st
 
 
 def _render_chat(
-    chat: generation_pb2.ChatPrompt, tokenizer: Tokenizer, limits: ModelLimits, field: str
+    chat: generation_pb2.ChatPrompt, tokenizer: Tokenizer, limits: ModelLimits, field: str,
+    tools: ToolRequest | None = None, tool_format: ToolFormat = GENERIC,
 ) -> list[int]:
     messages = chat.messages
     if not messages:
@@ -153,7 +161,8 @@ def _render_chat(
                 f"{field}.messages[{i}].role",
                 f"must be one of {sorted(CHAT_ROLES)}, got {m.role[:32]!r}",
             )
-    chars = sum(len(m.content) for m in messages)
+    check_tool_turns(messages, f"{field}.messages")
+    chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
     if chars > limits.max_prompt_chars:
         raise InvalidRequestError(
             f"{field}.messages",
@@ -161,21 +170,40 @@ def _render_chat(
         )
     variables = parse_template_kwargs(chat.chat_template_kwargs, tokenizer,
                                       f"{field}.chat_template_kwargs")
-    return _apply_chat_template(tokenizer, messages, field, variables)
+    return _apply_chat_template(tokenizer, _conversation(messages, tools, tool_format), field, variables,
+                                tools.tools if tools is not None and tool_format.in_template else ())
+
+
+def _conversation(messages: Sequence[generation_pb2.ChatMessage], tools: ToolRequest | None,
+                  fmt: ToolFormat) -> list[dict[str, Any]]:
+    """The messages as the template reads them; for a template without tool support
+    the tools' instructions go first into the system turn (a new one if none)."""
+    out = [template_message(m.role, m.content, [(c.id, c.name, c.arguments) for c in m.tool_calls],
+                            m.tool_call_id, fmt) for m in messages]
+    if tools is not None and tools.callable and not fmt.in_template:
+        text = system_text(tools.tools, fmt)
+        if out and out[0]["role"] == "system":
+            out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text)
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 def _apply_chat_template(
-    tokenizer: Tokenizer, messages: Sequence[generation_pb2.ChatMessage], field: str,
-    variables: Mapping[str, Any],
+    tokenizer: Tokenizer, conversation: list[dict[str, Any]], field: str,
+    variables: Mapping[str, Any], tools: Sequence[Any] = (),
 ) -> list[int]:
     """The chat template with the assistant turn opened, as token ids;
-    ``variables`` are the request's extra template variables."""
+    ``variables`` are the request's extra template variables, ``tools`` passed as
+    ``tools=`` (transformers' convention)."""
     from jinja2.exceptions import TemplateError
 
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    extra = dict(variables)
+    if tools:
+        extra["tools"] = [t.openai() for t in tools]
     try:
         out = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, **variables
+            conversation, add_generation_prompt=True, tokenize=True, **extra
         )
     except TemplateError as e:  # the template's own raise_exception(...)
         raise InvalidRequestError(f"{field}.messages", f"rejected by the chat template: {e}") from e

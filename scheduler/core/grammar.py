@@ -278,7 +278,7 @@ def _engine_grammar(kind: str, text: str, lenient: bool) -> str:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
         return llguidance.grammar_from("choice", text)
-    return llguidance.grammar_from("gbnf", text)   # GBNF (root ::= ...); Lark is accepted too
+    return llguidance.grammar_from("lark" if kind == "lark" else "gbnf", text)   # GBNF (Lark accepted too)
 
 
 def _message(text: str) -> str:
@@ -471,7 +471,13 @@ class GrammarCompiler:
         Raises InvalidRequestError (field: params.response_format.<kind>, the engine's
         message) for a format that does not compile or took over ``compile_timeout``;
         GrammarCompilerBusyError when no compile thread can be had."""
-        key, field = _source(fmt)
+        return await self._compile(*_source(fmt))
+
+    async def compile_lark(self, text: str, field: str) -> CompiledGrammar:
+        """A Lark grammar (scheduler/api/tools/grammar.py's), cached by its text; errors name ``field``."""
+        return await self._compile(("lark", text, False), field)
+
+    async def _compile(self, key: Key, field: str) -> CompiledGrammar:
         hit = self._cached(key)
         if hit is not None:
             return hit

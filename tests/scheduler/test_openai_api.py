@@ -249,11 +249,11 @@ def test_bad_requests(client: openai.OpenAI) -> None:
     assert bad(max_completion_tokens=5000).param == "max_completion_tokens"
     assert bad(logit_bias={"99999": 1}).param == "logit_bias[99999]"
     assert bad(stop=[""]).param == "stop[0]"
-    err = bad(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert err.param == "tools" and "not supported" in err.message
+    err = bad(functions=[{"name": "f", "parameters": {}}])
+    assert err.param == "functions" and "not supported" in err.message
     err = bad(extra_body={"frobnicate": 1})
     assert err.param == "frobnicate" and "Unrecognized request argument" in err.message
-    assert bad(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]).param == "messages[0].role"
+    assert bad(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]).param == "messages[0].tool_call_id"
     assert bad(messages=[]).param == "messages"
     assert bad(top_logprobs=3).param == "top_logprobs"              # without logprobs
     assert bad(response_format={"type": "json_schema", "json_schema": {"name": "x"}}).param == \

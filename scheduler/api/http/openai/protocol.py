@@ -18,7 +18,18 @@ Decisions (the OpenAI API leaves them to the server, or Jitney differs):
     and not used (OpenAI uses it for abuse monitoring only).
   * One prompt per completion request (a list of several is refused); chat
     content is a string or text parts (joined with newlines); role
-    ``developer`` is ``system``; tool and function messages are refused.
+    ``developer`` is ``system``; ``tool`` messages (with ``tool_call_id``) and
+    assistant ``tool_calls`` go to the template; legacy ``function`` messages
+    and ``functions`` are refused.
+  * ``tools`` (function tools), ``tool_choice`` and ``parallel_tool_calls``
+    as OpenAI's: calls are parsed in the model family's format and their
+    arguments always validate against the tool's schema (a grammar:
+    scheduler/api/tools/). ``response_format`` with tools is refused.
+  * A model that reasons in ``<think>...</think>`` (its chat template says so,
+    or ``--reasoning-parser on``) answers ``reasoning_content`` apart from
+    ``content`` (vLLM's field); tool calls and a JSON response format apply
+    after the block. ``chat_template_kwargs`` ``enable_thinking`` false (Qwen3):
+    nothing is parsed as reasoning.
   * vLLM's extra arguments: ``top_k`` (-1 or 0 = off), ``min_p``,
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
     ``stop_token_ids``, ``chat_template_kwargs`` (chat: variables for the
@@ -81,22 +92,24 @@ _COMMON_ARGS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "priority", "cache_salt",
 })
-_CHAT_ARGS = _COMMON_ARGS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+_CHAT_ARGS = _COMMON_ARGS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+                             "tools", "tool_choice", "parallel_tool_calls"}
 _COMPLETION_ARGS = _COMMON_ARGS | {"prompt", "echo", "best_of", "suffix"}
 
 # OpenAI arguments Jitney does not implement: refused unless null or one of
 # the values that ask for nothing (the API's own defaults).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ((),), "tool_choice": ("none",), "functions": ((),), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "audio": (), "modalities": (("text",),), "prediction": (),
+    "functions": ((),), "function_call": ("none",), "audio": (), "modalities": (("text",),), "prediction": (),
     "reasoning_effort": (), "web_search_options": (), "store": (False,), "metadata": (),
     "service_tier": ("auto", "default"), "verbosity": (), "prompt_cache_key": (),
     "prompt_cache_retention": (), "safety_identifier": (),
 }
 
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+               "tool": "tool"}
 # Message keys allowed when null or empty (clients echo assistant turns back).
-_EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "audio", "annotations"})
+_EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations",
+                                 "reasoning_content"})
 
 
 class APIError(Exception):
@@ -192,6 +205,7 @@ def parse_request(body: Any, *, chat: bool, defaults: SamplingDefaults | None = 
     if chat:
         _chat_messages(args, p)
         _chat_template_kwargs(args, p)
+        _tools(args, p)
     else:
         _completion_prompt(args, p)
     out.stream = _bool(args, "stream") or False
@@ -269,12 +283,90 @@ def _chat_messages(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
             raise _bad(f"{where}.role", f"{role[:32]!r} is not supported by Jitney "
                        f"(roles: {', '.join(_CHAT_ROLES)})", code="unsupported_value")
         for key, value in m.items():
-            if key in ("role", "content") or value is None:
+            if key in ("role", "content", "name") or value is None:
+                continue
+            if key == "tool_calls" and role == "assistant":
+                continue
+            if key == "tool_call_id" and role == "tool":
                 continue
             if key in _EMPTY_MESSAGE_KEYS and value in ([], ""):
                 continue
             raise _bad(f"{where}.{key}", "is not supported by Jitney", code="unsupported_parameter")
-        p.chat.messages.add(role=_CHAT_ROLES[role], content=_content(m.get("content"), where))
+        calls = m.get("tool_calls") or []
+        content = m.get("content")
+        message = p.chat.messages.add(role=_CHAT_ROLES[role],
+                                      content="" if content is None and calls else _content(content, where))
+        _tool_calls(calls, message, where)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{where}.tool_call_id", "is required in a tool message: a string")
+            message.tool_call_id = call_id
+
+
+def _tool_calls(calls: Any, message: pb.ChatMessage, where: str) -> None:
+    """An assistant message's ``tool_calls`` (OpenAI's shape: arguments as JSON text)."""
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls", "must be a list of tool calls")
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise _bad(at, "must be an object")
+        if call.get("type", "function") != "function":
+            raise _bad(f"{at}.type", "must be function", code="unsupported_value")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{at}.function", "is required: an object with name and arguments")
+        if not isinstance(call.get("id"), str):
+            raise _bad(f"{at}.id", "is required: a string")
+        if not isinstance(fn.get("name"), str):
+            raise _bad(f"{at}.function.name", "is required: a string")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise _bad(f"{at}.function.arguments", "must be a string of JSON")
+        message.tool_calls.add(id=call["id"], name=fn["name"], arguments=arguments)
+
+
+def _tools(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as the proto's fields (their
+    rules are checked with the prompt: scheduler/api/tools/spec.py)."""
+    tools = args.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list of tools")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict):
+                raise _bad(f"tools[{i}]", "must be an object")
+            if tool.get("type") != "function":
+                raise _bad(f"tools[{i}].type", f"{str(tool.get('type'))[:32]!r} is not supported by Jitney "
+                           "(function tools only)", code="unsupported_value")
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise _bad(f"tools[{i}].function", "is required: an object with a name")
+            description = fn.get("description") or ""
+            if not isinstance(description, str):
+                raise _bad(f"tools[{i}].function.description", "must be a string")
+            parameters = fn.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise _bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
+            if fn.get("strict") is not None and not isinstance(fn.get("strict"), bool):
+                raise _bad(f"tools[{i}].function.strict", "must be true or false")
+            p.tools.add(name=fn["name"], description=description,
+                        parameters=json.dumps(parameters) if parameters is not None else "",
+                        strict=bool(fn.get("strict")))
+    choice = args.get("tool_choice")
+    if isinstance(choice, str):
+        if choice == "function":
+            raise _bad("tool_choice", "must be none, auto, required or {\"type\": \"function\", ...}")
+        p.tool_choice = choice
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("tool_choice", "must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        p.tool_choice, p.tool_choice_function = "function", fn["name"]
+    elif choice is not None:
+        raise _bad("tool_choice", "must be a string or an object")
+    _set(p, "parallel_tool_calls", _bool(args, "parallel_tool_calls"))
 
 
 def _chat_template_kwargs(args: Mapping[str, Any], p: pb.GenerationParams) -> None:
@@ -484,6 +576,13 @@ def openai_param(proto_field: str, parsed: ParsedRequest) -> str:
         return rest.removeprefix("chat.")
     if rest.startswith("chat"):
         return "messages"
+    if rest.startswith("tools["):
+        head, _, tail = rest.partition("].")
+        return f"{head}].function.{tail}" if tail else head + "]"
+    if rest.startswith("tools"):
+        return "tools"
+    if rest.startswith("tool_choice"):
+        return "tool_choice"
     if rest.startswith("response_format.json_schema"):
         return "response_format.json_schema.schema"
     if rest.startswith(("text", "token_ids", "prompt")):

@@ -6,7 +6,7 @@ cancellation, metrics and the request log are the same.
 
     GET  /v1/models, /v1/models/{id}    the served model (owned_by "jitney")
     POST /v1/completions                one prompt: text or token ids
-    POST /v1/chat/completions           chat messages (text content)
+    POST /v1/chat/completions           chat messages (text content), tools
 
 ``stream: true`` answers server-sent events, ``data: {chunk}`` ... then
 ``data: [DONE]``. Headers go out with the first generated token, so a
@@ -97,7 +97,7 @@ class OpenAIRoutes:
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
         handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
-        fmt = _Formatter(parsed, response_id, names[0], self.servicer.token_texts(state), "")
+        fmt = self._formatter(state, parsed, response_id, names[0], "", prompt_ids)
         return ChatRun(state, handle, record, fmt, len(prompt_ids))
 
     # -- generation ----------------------------------------------------------
@@ -118,7 +118,7 @@ class OpenAIRoutes:
         handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
-            fmt = _Formatter(parsed, response_id, names[0], self.servicer.token_texts(state), echo)
+            fmt = self._formatter(state, parsed, response_id, names[0], echo, prompt_ids)
             events = _events(handle, record)
             if parsed.stream:
                 return await _stream(request, events, fmt, parsed)
@@ -128,6 +128,17 @@ class OpenAIRoutes:
             # (the handler task is cancelled): frees the blocks at once.
             record.on_error("CANCELLED", "the client went away")   # no-op once ended
             state.engine.cancel(handle)
+
+    def _formatter(self, state: ServingState, parsed: ParsedRequest, response_id: str, model: str,
+                   echo: str, prompt_ids: tuple[int, ...]) -> _Formatter:
+        """The answer's formatter: tool calls parsed where the request has tools (and a
+        tool_choice other than none), reasoning where the model reasons."""
+        p = parsed.params
+        calls = bool(p.tools) and p.tool_choice != "none"
+        return _Formatter(parsed, response_id, model, self.servicer.token_texts(state), echo,
+                          tool_format=self.servicer.tool_format(state) if calls else None,
+                          reasoning=self.servicer.reasoning_mode(state, p, prompt_ids) if parsed.chat
+                          else "off")
 
     async def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None,
                       key: str | None) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:

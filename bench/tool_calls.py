@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Tool calling: what the tool grammar costs.
+
+    .venv/bin/python bench/tool_calls.py [compile] [throughput] [--requests 32]
+        [--max-tokens 64] [--target HOST:PORT] [--model PATH] [--json PATH]
+
+compile
+    In this process, with the model's tokenizer (``--model``; default the bundled
+    SmolLM2): a 10-tool set's grammar (scheduler/api/tools/grammar.py, generic
+    format, tool_choice auto and required) compiled by ``GrammarCompiler.compile_lark``
+    cold (a fresh compiler's first compile of it: grammar, matcher and first mask)
+    and cached (the same tool set again), median of 5 each; plus the cold compile
+    of 10 different tool sets in a row.
+throughput
+    Against the default model (``jitney serve`` started here unless ``--target``):
+    ``--requests`` tool-calling requests (tool_choice required, a 3-tool set, all
+    sent at once) and then as many plain requests of the same lengths: the same
+    prompt (the generic format's tool instructions as the system turn, so the
+    prompt tokens are the same; each batch in its own prefix-cache namespace, so
+    neither reads the other's prompts from the cache), no tools, ``ignore_eos`` and max_tokens = the
+    completion tokens its tool twin produced. Output tokens / wall time for each
+    batch; the ratio is the mask and parse overhead (the issue's bar: <= 5% lost).
+    The scheduler's mask time per masked step (GetServerStats) is reported with
+    it. Timings are noisy on a shared machine; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jitney.scheduler.api.tools.formats import GENERIC  # noqa: E402
+from jitney.scheduler.api.tools.formats import system_text  # noqa: E402
+from jitney.scheduler.api.tools.grammar import tool_grammar  # noqa: E402
+from jitney.scheduler.api.tools.spec import ToolRequest, ToolSpec  # noqa: E402
+
+CITY = {"type": "string", "maxLength": 24}
+THREE_TOOLS = (
+    ToolSpec("get_weather", "Current weather in a city", {
+        "type": "object", "properties": {"city": CITY, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}),
+    ToolSpec("get_time", "Local time in a city", {"type": "object", "properties": {"city": CITY},
+                                                 "required": ["city"]}),
+    ToolSpec("search", "Search the web", {"type": "object", "properties": {
+        "query": {"type": "string", "maxLength": 40}, "max_results": {"type": "integer", "minimum": 1,
+                                                                       "maximum": 10}},
+        "required": ["query"]}),
+)
+RUN = os.urandom(4).hex()
+QUESTIONS = ["What is the weather in Paris?", "What time is it in Tokyo?", "Find news about Mars rovers.",
+             "Is it raining in Oslo?"]
+
+
+def ten_tools(salt: str = "") -> tuple[ToolSpec, ...]:
+    return tuple(ToolSpec(f"tool_{salt}{i}", f"tool number {i}", {
+        "type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 32}, "count": {"type": "integer", "minimum": 0},
+            "ratio": {"type": "number"}, "flag": {"type": "boolean"},
+            "mode": {"enum": ["fast", "slow", "auto"]},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                      "required": ["lat", "lon"]}},
+        "required": ["name", "mode"]}) for i in range(10))
+
+
+def bench_compile(model: str | None) -> dict[str, Any]:
+    from jitney.common.model_files import load_tokenizer, resolve_model
+    from jitney.scheduler.core.grammar import GrammarCompiler
+
+    tokenizer = load_tokenizer(resolve_model(model))
+    vocab, eos = len(tokenizer), [int(tokenizer.eos_token_id)]
+    t0 = time.perf_counter()
+    base = GrammarCompiler(tokenizer, vocab, eos_token_ids=eos)
+    index_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"tokenizer_index_s": round(index_s, 3), "vocab": vocab}
+    for choice in ("required", "auto"):
+        text = tool_grammar(GENERIC, ToolRequest(ten_tools(), choice, "", True))
+        cold, cached = [], []
+        for _ in range(5):
+            fresh = GrammarCompiler(base.engine_tokenizer, vocab, eos_token_ids=eos)
+            t = time.perf_counter()
+            asyncio.run(fresh.compile_lark(text, "params.tools"))
+            cold.append(time.perf_counter() - t)
+
+            async def again() -> float:
+                await fresh.compile_lark(text, "params.tools")
+                t1 = time.perf_counter()
+                await fresh.compile_lark(text, "params.tools")
+                return time.perf_counter() - t1
+            cached.append(asyncio.run(again()))
+            fresh.close()
+        out[choice] = {"grammar_chars": len(text), "cold_ms_median": round(statistics.median(cold) * 1e3, 2),
+                       "cached_ms_median": round(statistics.median(cached) * 1e3, 4)}
+    distinct = []
+    for k in range(10):
+        text = tool_grammar(GENERIC, ToolRequest(ten_tools(f"s{k}_"), "required", "", True))
+        t = time.perf_counter()
+        asyncio.run(base.compile_lark(text, "params.tools"))
+        distinct.append(time.perf_counter() - t)
+    out["ten_distinct_sets_cold_ms"] = [round(x * 1e3, 2) for x in distinct]
+    base.close()
+    return out
+
+
+@contextmanager
+def _server(target: str | None) -> Iterator[str]:
+    if target:
+        yield target
+        return
+    from tests.support.server_harness import running_server
+    with tempfile.TemporaryDirectory(prefix="jitney-tools-") as logs:
+        with running_server([], Path(logs)) as srv:
+            yield srv.target
+
+
+def _params(question: str, max_tokens: int, tools: bool) -> Any:
+    from jitney.v1 import generation_pb2 as pb
+    system = system_text(THREE_TOOLS, GENERIC)
+    user = pb.ChatMessage(role="user", content=question)
+    if tools:
+        chat = pb.ChatPrompt(messages=[user])
+        params = pb.GenerationParams(chat=chat, tool_choice="required", parallel_tool_calls=False,
+                                     tools=[pb.Tool(name=t.name, description=t.description,
+                                                    parameters=json.dumps(t.parameters)) for t in THREE_TOOLS])
+    else:       # the same prompt: the generic format puts exactly this system turn first
+        chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="system", content=system), user])
+        params = pb.GenerationParams(chat=chat)
+    # Each batch its own prefix-cache namespace: the second must not read the first's prompts.
+    params.cache_salt = f"{'tools' if tools else 'plain'}-{RUN}"
+    params.sampling.max_tokens = max_tokens
+    params.sampling.temperature = 0.0
+    params.sampling.ignore_eos = not tools
+    return params
+
+
+def _batch(stub: Any, params: list[Any]) -> tuple[float, list[Any]]:
+    from jitney.v1 import generation_pb2 as pb
+    with ThreadPoolExecutor(len(params)) as pool:
+        t = time.perf_counter()
+        replies = list(pool.map(lambda p: stub.Generate(pb.GenerateRequest(params=p), timeout=600), params))
+        return time.perf_counter() - t, replies
+
+
+def bench_throughput(target: str | None, n: int, max_tokens: int) -> dict[str, Any]:
+    import grpc
+    from jitney.v1 import generation_pb2_grpc as pb_grpc
+
+    with _server(target) as where, grpc.insecure_channel(where) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+        # Warm-up, a tool request included: the server builds its grammar compiler (the
+        # tokenizer's index, ~0.5 s) and compiles the tool set at the first one.
+        _batch(stub, [_params(q, 8, False) for q in questions[:4]] + [_params(questions[0], 48, True)])
+        from jitney.v1 import generation_pb2 as pb
+        before = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        tool_s, tool_replies = _batch(stub, [_params(q, max_tokens, True) for q in questions])
+        after = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        masked_steps = after.grammar_masked_steps - before.grammar_masked_steps
+        mask_s = after.grammar_mask_seconds - before.grammar_mask_seconds
+        lengths = [max(1, r.usage.completion_tokens) for r in tool_replies]
+        plain_s, plain_replies = _batch(stub, [_params(q, k, False) for q, k in zip(questions, lengths)])
+        tool_tokens = sum(r.usage.completion_tokens for r in tool_replies)
+        plain_tokens = sum(r.usage.completion_tokens for r in plain_replies)
+        prompts = (sum(r.usage.prompt_tokens for r in tool_replies), sum(r.usage.prompt_tokens for r in plain_replies))
+        tool_tps, plain_tps = tool_tokens / tool_s, plain_tokens / plain_s
+        valid = sum(1 for r in tool_replies for c in r.tool_calls if isinstance(json.loads(c.arguments), dict))
+        return {"requests": n, "prompt_tokens_tool_vs_plain": prompts,
+                "tool": {"tokens": tool_tokens, "seconds": round(tool_s, 2), "tokens_per_s": round(tool_tps, 1),
+                         "calls_parsed": valid, "steps": after.steps - before.steps,
+                         "masked_steps": masked_steps,
+                         "mask_ms_per_masked_step": round(mask_s / max(masked_steps, 1) * 1e3, 2)},
+                "plain": {"tokens": plain_tokens, "seconds": round(plain_s, 2), "tokens_per_s": round(plain_tps, 1)},
+                "throughput_ratio_tool_over_plain": round(tool_tps / plain_tps, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("parts", nargs="*", help="compile and/or throughput (default: both)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--target", default=None, help="HOST:PORT of a running server with the default model")
+    ap.add_argument("--model", default=None, help="tokenizer for the compile part (default: the bundled SmolLM2)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    args.parts = args.parts or ["compile", "throughput"]
+    if not set(args.parts) <= {"compile", "throughput"}:
+        ap.error(f"parts are compile and throughput, got {args.parts}")
+    results: dict[str, Any] = {"loadavg_before": os.getloadavg(), "cpus": os.cpu_count()}
+    if "compile" in args.parts:
+        results["compile"] = bench_compile(args.model)
+        print(json.dumps({"compile": results["compile"]}, indent=1), flush=True)
+    if "throughput" in args.parts:
+        results["throughput"] = bench_throughput(args.target, args.requests, args.max_tokens)
+        print(json.dumps({"throughput": results["throughput"]}, indent=1), flush=True)
+    results["loadavg_after"] = os.getloadavg()
+    print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
