@@ -65,6 +65,7 @@ class StopStringMatcher:
             raise ValueError("stop strings must be non-empty")
         self._stop = stop
         self._held = ""
+        self.matched: str | None = None   # the stop string that matched, once one has
 
     def feed(self, text: str, match: bool = True) -> tuple[str, bool]:
         """Add ``text``; return (text safe to emit, whether a stop matched).
@@ -93,8 +94,11 @@ class StopStringMatcher:
     def _earliest_stop(self, buf: str) -> int | None:
         """Start of the stop string that completes first in ``buf`` (ties:
         the longest), as if the text had arrived one character at a time."""
-        found = [(i + len(s), i) for s in self._stop if (i := buf.find(s)) >= 0]
-        return min(found)[1] if found else None
+        found = [(i + len(s), i, s) for s in self._stop if (i := buf.find(s)) >= 0]
+        if not found:
+            return None
+        _, start, self.matched = min(found)
+        return start
 
     def _longest_stop_prefix_suffix(self, buf: str) -> int:
         """Length of the longest suffix of ``buf`` that is a proper prefix of
@@ -163,6 +167,11 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         """Whether a stop string matched."""
         return self._stopped
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that matched (Anthropic's ``stop_sequence``), else None."""
+        return self._matcher.matched if self._stopped else None
 
     def push(self, token_ids: list[int], match_stop: bool = True) -> DetokenizerUpdate:
         """Add newly sampled token ids; return the text to send now.

@@ -65,6 +65,8 @@ class StreamEvent:
     # In a request's first event when prompt_logprobs was asked for: per
     # prompt token (id, logprob or None for the first, top alternatives).
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
+    # With finish_reason STOP_SEQUENCE: the stop string that matched.
+    stop_sequence: str | None = None
 
     @property
     def is_last(self) -> bool:
@@ -393,6 +395,8 @@ class Engine:
             handle.prompt_logprobs_sent = True
         if req.is_finished:
             event.finish_reason = req.finish_reason
+            if req.finish_reason == FinishReason.STOP_SEQUENCE:
+                event.stop_sequence = sample.detokenizer.matched_stop
             sample.done = True
             del self._handles[req.seq_id]
             if all(s.done for s in handle.samples):

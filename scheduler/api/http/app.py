@@ -5,7 +5,9 @@ An aiohttp server in the scheduler's own asyncio loop, beside the gRPC
 server, over the same Engine and the same ``GenerationServicer`` (its
 serving state, shared with gRPC). The application holds a protocol's routes
 (OpenAI's: ``http/openai/routes.py``; vLLM's /tokenize, /detokenize and
-/version: ``http/openai/utility.py``) and one of its own:
+/version: ``http/openai/utility.py``; Anthropic's Messages API:
+``http/anthropic/``; OpenAI's Responses API: ``http/openai_responses/``) and
+one of its own:
 
     GET  /health                        200 while serving, else 503
 
@@ -21,6 +23,7 @@ import ssl
 
 from aiohttp import web
 
+from jitney.scheduler.api.http.anthropic.routes import AnthropicRoutes
 from jitney.scheduler.api.http.middleware import _authenticate, _json_errors
 from jitney.scheduler.api.http.openai.protocol import serving_state
 from jitney.scheduler.api.http.openai.routes import OpenAIRoutes
@@ -46,6 +49,7 @@ class OpenAIServer:
         self.openai = OpenAIRoutes(servicer)
         self.openai.add_to(self.app.router)
         UtilityRoutes(servicer).add_to(self.app.router)
+        AnthropicRoutes(self.openai).add_to(self.app.router)       # /v1/messages
         ResponsesRoutes(self.openai, responses_store).add_to(self.app)   # /v1/responses; None: no store
         self.app.router.add_get("/health", self.health)
 

@@ -1,5 +1,6 @@
-"""The HTTP door's middleware: every error in OpenAI's JSON shape, and the
-API keys (``Authorization: Bearer KEY`` on every path but OPEN_PATHS)."""
+"""The HTTP door's middleware: every error in the door's JSON shape (OpenAI's;
+Anthropic's under ANTHROPIC_PREFIX), and the API keys (``Authorization: Bearer
+KEY``, or Anthropic's ``x-api-key: KEY``, on every path but OPEN_PATHS)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ log = logging.getLogger("jitney.scheduler")
 KEY_NAME: Any = (web.RequestKey("jitney_api_key_name", str) if hasattr(web, "RequestKey")
                  else "jitney_api_key_name")
 OPEN_PATHS = frozenset({"/health"})
+ANTHROPIC_PREFIX = "/v1/messages"     # Anthropic's Messages API: its own error shape
+
+
+def _error_response(request: web.Request, error: APIError, headers: dict[str, str] | None = None) -> web.Response:
+    if request.path == ANTHROPIC_PREFIX or request.path.startswith(ANTHROPIC_PREFIX + "/"):
+        from jitney.scheduler.api.http.anthropic.protocol import AnthropicError
+
+        return web.json_response(AnthropicError(error.status, error.message).body(), status=error.status,
+                                 dumps=dumps, headers=headers)
+    return web.json_response(error.body(), status=error.status, dumps=dumps, headers=headers)
 
 
 def _authenticate(keys: ApiKeys, metrics: Metrics) -> Any:
@@ -33,15 +44,16 @@ def _authenticate(keys: ApiKeys, metrics: Metrics) -> Any:
         if request.path in OPEN_PATHS:
             return await handler(request)   # type: ignore[no-any-return]
         sent = request.headers.get("Authorization")
-        name = keys.identify(bearer_token(sent))
+        token = bearer_token(sent) if sent is not None else request.headers.get("x-api-key")
+        sent = sent if sent is not None else token
+        name = keys.identify(token)
         if name is None:
             metrics.failure("UNAUTHENTICATED")
             request_log.info("HTTP %s %s from %s: rejected 401 (%s)", request.method, request.path,
                              request.remote, "no key" if sent is None else "a key that matches none")
             error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` "
-                             "with a key of this server", code="invalid_api_key")
-            return web.json_response(error.body(), status=401, dumps=dumps,
-                                     headers={"WWW-Authenticate": 'Bearer realm="jitney"'})
+                             "(or `x-api-key: KEY`) with a key of this server", code="invalid_api_key")
+            return _error_response(request, error, {"WWW-Authenticate": 'Bearer realm="jitney"'})
         request[KEY_NAME] = name
         return await handler(request)   # type: ignore[no-any-return]
     return authenticate
@@ -55,11 +67,11 @@ async def _json_errors(request: web.Request,
         response: web.StreamResponse = await handler(request)
         return response
     except APIError as exc:
-        return exc.response()
+        return _error_response(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return APIError(exc.status, exc.text or exc.reason).response()
+        return _error_response(request, APIError(exc.status, exc.text or exc.reason))
     except Exception:
-        log.exception("the OpenAI API failed on %s %s", request.method, request.path)
-        return APIError(500, "internal error").response()
+        log.exception("the HTTP API failed on %s %s", request.method, request.path)
+        return _error_response(request, APIError(500, "internal error"))

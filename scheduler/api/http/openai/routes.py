@@ -34,6 +34,7 @@ from jitney.scheduler.api.http.sse import event_stream, send_data, send_json
 from jitney.scheduler.api.metrics import RequestRecord
 from jitney.scheduler.api.servicer import GenerationServicer, RequestRefused, ServingState
 from jitney.scheduler.core.engine import RequestHandle, StreamEvent
+from jitney.scheduler.core.request import FinishReason
 
 DONE = "[DONE]"     # the data of a stream's last event
 
@@ -166,10 +167,18 @@ class ChatRun:
                  fmt: _Formatter, prompt_tokens: int) -> None:
         self.state, self.handle, self.record, self.fmt = state, handle, record, fmt
         self.id, self.model, self.prompt_tokens = fmt.id, fmt.model, prompt_tokens
+        # What OpenAI's finish_reason "stop" does not tell apart: per sample, the
+        # engine's own reason and the stop string that matched (Anthropic's stop_sequence).
+        self.finish_reasons: dict[int, FinishReason] = {}
+        self.stop_sequences: dict[int, str] = {}
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         choices: dict[int, _Choice] = {}
         async for event in _events(self.handle, self.record):
+            if event.finish_reason is not None:
+                self.finish_reasons[event.sample_index] = event.finish_reason
+            if event.stop_sequence is not None:
+                self.stop_sequences[event.sample_index] = event.stop_sequence
             c = choices.setdefault(event.sample_index, _Choice(event.sample_index))
             for chunk in self.fmt.chunks(c, event):
                 yield chunk
