@@ -24,7 +24,8 @@ from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
 from jitney.scheduler.security.keys import KeyLimiter
-from jitney.scheduler.core.config import SchedulerConfig, SchedulingPolicy, max_model_len_for
+from jitney.scheduler.core.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig, SchedulingPolicy, max_model_len_for
+from jitney.scheduler.core.speculative import SPECULATIVE_METHODS, SpeculativeMethod
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.engine import Engine
 from jitney.common.model_files import (ModelFiles, ModelNotFoundError, ModelSettingsError, cache_root,
@@ -75,6 +76,8 @@ class SchedulerProcessConfig:
     served_model_names: tuple[str, ...] = ()  # the API's names of the model, primary first; () = its own
     chat_template: str | None = None     # a Jinja file that replaces the model's chat template
     generation_config: str = "auto"      # sampling defaults: auto (the model's), none, or a folder
+    speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram (core/speculative.py)
+    num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -83,7 +86,8 @@ class SchedulerProcessConfig:
                    not ns.no_prefix_cache, **production_fields(ns), openai_port=ns.openai_port,
                    curve_keys=ns.curve_keys, insecure_plaintext_zmq=ns.insecure_plaintext_zmq,
                    served_model_names=tuple(ns.served_model_name or ()), chat_template=ns.chat_template,
-                   generation_config=ns.generation_config, **security_fields(ns))
+                   generation_config=ns.generation_config, speculative=ns.speculative,
+                   num_speculative_tokens=ns.num_speculative_tokens, **security_fields(ns))
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -112,6 +116,15 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                         help="batching policy")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="turn off prefix caching (sharing the KV blocks of common prompt prefixes)")
+    parser.add_argument("--speculative", choices=SPECULATIVE_METHODS, default="off",
+                        help="speculative decoding: off (default), or ngram (drafts looked up in the "
+                             "sequence's own prompt and output, verified inside the batch: the same "
+                             "tokens and logprobs as off; drafts only while they pay at the current load)")
+    parser.add_argument("--num-speculative-tokens", type=int_in(1, MAX_SPECULATIVE_TOKENS,
+                                                                meaning=f"an integer in 1..{MAX_SPECULATIVE_TOKENS}"),
+                        default=4, metavar="K",
+                        help="the most drafts one sequence verifies in a step (default 4; must be below "
+                             "the step budget)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     add_model_setting_arguments(parser)
@@ -326,6 +339,8 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         sliding_window=ready.sliding_window,
         policy=cfg.policy,
         enable_prefix_caching=cfg.prefix_cache,
+        speculative=cfg.speculative,
+        num_speculative_tokens=cfg.num_speculative_tokens,
     )
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)

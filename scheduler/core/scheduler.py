@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
-from jitney.scheduler.core.speculative import DraftCandidate, SpeculationPolicy, make_drafter
+from jitney.scheduler.core.speculative import DraftCandidate, Drafter, SpeculationPolicy, make_drafter
 
 
 @dataclass
@@ -84,7 +84,10 @@ class Scheduler:
     """Continuous-batching scheduler owning the logical KV cache."""
 
     def __init__(self, config: SchedulerConfig,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), *,
+                 drafter: Drafter | None = None, speculation: SpeculationPolicy | None = None) -> None:
+        """``drafter`` and ``speculation`` replace the drafter and the rule of
+        ``config.speculative`` (which must not be off): tests force drafts so."""
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
                                           config.enable_prefix_caching, window=config.sliding_window)
@@ -101,9 +104,11 @@ class Scheduler:
         # Speculative decoding (speculative.py): the drafter, the load-adaptive
         # rule, and totals for metrics (drafts = chunks that verified drafts;
         # acceptance_counts[i] = drafts with i tokens accepted).
-        self._drafter = make_drafter(config.speculative)
-        self.speculation = (SpeculationPolicy(config.num_speculative_tokens)
-                            if self._drafter is not None else None)
+        if (drafter is not None or speculation is not None) and config.speculative == "off":
+            raise ValueError("a drafter or a speculation policy needs config.speculative on")
+        self._drafter = drafter or make_drafter(config.speculative)
+        self.speculation = speculation or (SpeculationPolicy(config.num_speculative_tokens)
+                                           if self._drafter is not None else None)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.acceptance_counts = [0] * (config.num_speculative_tokens + 1)
 

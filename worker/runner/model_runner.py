@@ -49,8 +49,8 @@ from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache, size_c
 from jitney.worker.loading.loader import load_model
 from jitney.worker.layers.reduce import no_reduce
 from jitney.worker.distributed.parallel import TensorParallelGroup
-from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_rows,
-                                chunk_tokens, validate_plan)
+from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, accept_drafts,
+                                apply_plan_diffs, chunk_rows, chunk_tokens, validate_plan)
 from jitney.worker.runner.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.runner.warmup import profile_activations, warm_up
 from jitney.worker.loading.weights_cache import WeightsCache
@@ -74,6 +74,7 @@ class _Draw(NamedTuple):
     logprobs: list[float]
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    kept: list[bool] = []     # after ``_verify``: which of the step's sampled rows these are
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,9 @@ class ModelRunner:
         # prompt position of those whose prompt continues in a later chunk.
         self._scoring: set[int] = set()
         self._prompt_carry: dict[int, torch.Tensor] = {}
+        # Chunks verifying drafts whose outcome this rank has not applied yet (ranks > 0
+        # learn it from the tokens rank 0 relays with the next plan: ``note_samples``).
+        self._unverified: dict[int, ChunkRow] = {}
         graph_safe = self.model.backend.graph_safe
         self._timer = _ModelTimer(self.device)
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
@@ -256,10 +260,16 @@ class ModelRunner:
 
     def note_samples(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> None:
         """Ranks > 0: the tokens rank 0 sampled (relayed with the next plan)."""
+        yielded: dict[int, int] = {}
         for seq_id, token in zip(seq_ids, tokens):
             state = self.sequences.get(seq_id)
             if state is not None:
                 state.last_sampled = token
+                yielded[seq_id] = yielded.get(seq_id, 0) + 1
+        for seq_id, count in yielded.items():
+            row = self._unverified.pop(seq_id, None)
+            if row is not None:
+                self._roll_back(row, count - 1)
 
     def _forget_all(self) -> None:
         """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
@@ -268,6 +278,7 @@ class ModelRunner:
         self.sequences.clear()
         self._scoring.clear()
         self._prompt_carry.clear()
+        self._unverified.clear()
 
     def _apply(self, plan: engine_pb2.StepPlan, new_states: dict[int, SequenceState], rows: list[ChunkRow]) -> None:
         """The plan's diffs (``new_states``: its new sequences' checked states; ``rows``: its
@@ -284,6 +295,7 @@ class ModelRunner:
             self.batch.remove(sid)
             self._scoring.discard(sid)
             self._prompt_carry.pop(sid, None)
+            self._unverified.pop(sid, None)
         for new in plan.new_sequences:
             s = self.sequences[new.seq_id]
             self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
@@ -292,6 +304,8 @@ class ModelRunner:
             if s.params.prompt_logprobs is not None:
                 self._scoring.add(new.seq_id)
         for r in rows:
+            if r.num_drafts:
+                self._unverified[r.seq_id] = r
             if r.num_blocks:
                 self.batch.extend_blocks(r.seq_id, plan.chunks[r.plan_index].new_block_ids)
             if seqs[r.seq_id].params.penalised and r.start != computed[r.seq_id]:
@@ -305,7 +319,8 @@ class ModelRunner:
         seqs = self.sequences
         chunks = [StepChunk(r.seq_id, r.start,
                             [_last_sampled(seqs[r.seq_id])] if not r.num_ids   # (a decode of the sampled token)
-                            else chunk_tokens(plan.chunks[r.plan_index], seqs[r.seq_id]), r.sample, r.plan_index)
+                            else chunk_tokens(plan.chunks[r.plan_index], seqs[r.seq_id]), r.sample, r.plan_index,
+                            r.num_drafts)
                   for r in rows]
         if self.device.type == "cpu":
             chunks.sort(key=_decodes_first)
@@ -338,7 +353,7 @@ class ModelRunner:
             timer.stop()
             # The (2, size) choices come back whole (a few KB): the sampled rows are picked on the host.
             tokens, logprobs = _unpack(greedy.cpu().numpy()[:, step.sample_tokens])
-            self._record(step.sampled_seq_ids, tokens, logprobs, result)
+            self._record(step.sampled_seq_ids, tokens, logprobs, result)   # (a decode graph: no drafts)
         else:
             hidden, logits = self._logits(step, size, bucket, meta)
             timer.stop()
@@ -346,7 +361,12 @@ class ModelRunner:
                 masks = self._read_masks(step, *masking) if masking is not None else None
                 # (Called with two arguments when unmasked: tests wrap ``_sample`` so.)
                 drawn = self._sample(step, logits, masks) if masks is not None else self._sample(step, logits)
-                self._record(step.sampled_seq_ids, drawn.tokens, drawn.logprobs, result)
+                if self._unverified:
+                    drawn = self._verify(step, chunks, drawn)
+                    seq_ids = [sid for sid, keep in zip(step.sampled_seq_ids, drawn.kept) if keep]
+                else:
+                    seq_ids = step.sampled_seq_ids
+                self._record(seq_ids, drawn.tokens, drawn.logprobs, result)
                 result.top_token_ids.extend(drawn.top_ids)
                 result.top_logprobs.extend(drawn.top_logprobs)
             else:   # nothing samples: no other sync
@@ -425,6 +445,47 @@ class ModelRunner:
         return _Draw([int(t) for t in host[:s]], host[s:2 * s].tolist(),
                      [int(t) for i, n in enumerate(counts) for t in top_ids[i, :n]],
                      [float(v) for i, n in enumerate(counts) for v in top_lps[i, :n]])
+
+    def _verify(self, step: StagedStep, chunks: list[StepChunk], drawn: _Draw) -> _Draw:
+        """Accept each verifying chunk's drafts while they equal the choices at
+        their positions; keep the choices up to the first that differs (or the
+        one after the last draft), and roll the sequence back to what was
+        accepted. Returns the kept rows' draw (``kept``: which of the S rows)."""
+        kept = [True] * step.num_sampled
+        by_seq = {c.seq_id: c for c in chunks if c.num_drafts}
+        row = 0
+        while row < step.num_sampled:
+            chunk = by_seq.get(step.sampled_seq_ids[row])
+            if chunk is None:
+                row += 1
+                continue
+            drafts = [int(t) for t in chunk.tokens[len(chunk.tokens) - chunk.num_drafts:]]
+            accepted = 0
+            while accepted < chunk.num_drafts and drawn.tokens[row + accepted] == drafts[accepted]:
+                accepted += 1
+            for j in range(accepted + 1, chunk.num_drafts + 1):
+                kept[row + j] = False
+            if self.batch.any_penalised:
+                self.batch.uncount_rejected(chunk.seq_id, np.array(drafts[accepted:], dtype=np.int64))
+            self._roll_back(self._unverified.pop(chunk.seq_id), accepted)
+            row += chunk.num_drafts + 1
+        widths = step.top_n[np.flatnonzero(step.top_n)].tolist()
+        top_ids, top_lps, at = [], [], 0
+        for i in np.flatnonzero(step.top_n).tolist():
+            n = widths.pop(0)
+            if kept[i]:
+                top_ids += drawn.top_ids[at:at + n]
+                top_lps += drawn.top_logprobs[at:at + n]
+            at += n
+        return _Draw([t for t, k in zip(drawn.tokens, kept) if k], [v for v, k in zip(drawn.logprobs, kept) if k],
+                     top_ids, top_lps, kept)
+
+    def _roll_back(self, row: ChunkRow, accepted: int) -> None:
+        """A verified chunk's outcome (``accept_drafts``): the sequence computed up to
+        its accepted drafts, its table (and its batch row's) cut to what they need."""
+        state = self.sequences[row.seq_id]
+        accept_drafts(state, row, accepted, self.limits.block_size)
+        self.batch.truncate_blocks(row.seq_id, len(state.block_table))
 
     def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
                 result: engine_pb2.StepResult) -> None:

@@ -1,0 +1,255 @@
+"""Speculative decoding end to end on the CPU's batch-invariant path: the
+real Scheduler plans, the real ModelRunner verifies (through the wire
+encoding), on a tiny random Llama. Token ids and logprobs must be equal
+(``==``) with and without speculation:
+
+- through the whole Engine (its stream events, stop strings, n > 1) with the
+  ``ngram`` drafter and the load-adaptive rule, greedy and seeded, with
+  penalties, min_tokens, logit bias and top logprobs, batched and alone, with
+  preemptions (a small cache) and prefix hits (shared prompt prefixes);
+- a property test: random drafts forced through the runner (all right, all
+  wrong, mixed, per step) give what no speculation gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jitney.engine.v1 import engine_pb2
+from jitney.scheduler.core.config import SchedulerConfig
+from jitney.scheduler.core.engine import Engine, StreamEvent
+from jitney.scheduler.core.plan import to_step_plan
+from jitney.scheduler.core.request import FinishReason, Request, SamplingOptions, ValidatedRequest
+from jitney.scheduler.core.scheduler import Scheduler
+from jitney.scheduler.core.speculative import DraftCandidate, SpeculationPolicy
+from jitney.worker.config import WorkerConfig
+from jitney.worker.runner.model_runner import ModelRunner
+from tests.support.fake_worker import make_request
+from tests.support.tiny_models import EOS_TOKEN_ID, make_tiny_llama
+
+BLOCK, BUDGET, SEATS, VOCAB = 4, 32, 6, 320
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("spec") / "llama", vocab_size=VOCAB)
+
+
+def make_runner(model: Path, num_blocks: int = 96) -> ModelRunner:
+    return ModelRunner(WorkerConfig(model=str(model), dtype="float32", block_size=BLOCK, num_blocks=num_blocks,
+                                    max_num_batched_tokens=BUDGET, max_num_seqs=SEATS, use_weights_cache=False))
+
+
+def scheduler_config(runner: ModelRunner, speculative: str, k: int = 5) -> SchedulerConfig:
+    ready = runner.ready_message()
+    return SchedulerConfig(block_size=ready.block_size, num_blocks=ready.num_blocks, max_model_len=128,
+                           max_num_seqs=SEATS, max_num_batched_tokens=BUDGET,
+                           speculative=speculative, num_speculative_tokens=k)  # type: ignore[arg-type]
+
+
+class InProcessLink:
+    """The engine's link to a ModelRunner in this process: plans run in order,
+    each when its result is asked for (so the engine's overlap stays as it is)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.plans: list[engine_pb2.StepPlan] = []
+        self.results: dict[int, engine_pb2.StepResult] = {}
+
+    async def send_plan(self, plan: engine_pb2.StepPlan) -> None:
+        self.plans.append(engine_pb2.StepPlan.FromString(plan.SerializeToString()))
+
+    async def receive_result(self, step_id: int) -> engine_pb2.StepResult:
+        while step_id not in self.results:
+            plan = self.plans.pop(0)
+            self.results[plan.step_id] = engine_pb2.StepResult.FromString(
+                self.runner.execute(plan).SerializeToString())
+        return self.results.pop(step_id)
+
+    async def send_masks(self, masks: engine_pb2.StepMasks) -> None:
+        raise AssertionError("no grammar in these tests")
+
+
+@dataclass
+class Collected:
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    top: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    text: dict[int, str] = field(default_factory=dict)
+    finish: dict[int, FinishReason | None] = field(default_factory=dict)
+    usage: int = 0
+
+
+def _requests() -> list[tuple[list[int], SamplingOptions]]:
+    loop = [11, 12, 13, 14, 15, 16]
+    prefix = [40 + i for i in range(18)]       # shared by several: prefix-cache hits
+    opts = SamplingOptions
+    return [
+        (loop * 3, opts(max_tokens=30, ignore_eos=True)),
+        (prefix + [7, 8], opts(max_tokens=24, ignore_eos=True, temperature=0.7, seed=5, top_k=40)),
+        (prefix + [9], opts(max_tokens=24, ignore_eos=True, temperature=0.3, seed=9, top_p=0.9,
+                            repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)),
+        (loop * 2 + [3], opts(max_tokens=20, min_tokens=6, logit_bias=((13, 2.0),), top_logprobs=3)),
+        (prefix + [5, 6], opts(max_tokens=16, n=2, temperature=0.5, seed=3, ignore_eos=True)),
+        ([20, 21, 22, 20, 21, 22, 20], opts(max_tokens=28, ignore_eos=True, stop=("zz", "he"))),
+    ]
+
+
+async def _serve(runner: ModelRunner, config: SchedulerConfig, tokenizer: Any, batched: bool) -> tuple[Collected, Engine]:
+    engine = Engine(config, InProcessLink(runner), tokenizer, frozenset({EOS_TOKEN_ID}),  # type: ignore[arg-type]
+                    vocab_size=VOCAB)
+    loop = asyncio.create_task(engine.run())
+    out = Collected()
+
+    async def one(i: int, prompt: list[int], sampling: SamplingOptions) -> None:
+        handle = engine.submit(ValidatedRequest(tuple(prompt), sampling, f"r{i}"))
+        async for event in handle.stream():
+            assert event.error is None, event.error
+            key = i * 100 + event.sample_index
+            _collect(out, key, event)
+
+    try:
+        if batched:
+            await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(_requests())))
+        else:
+            for i, (p, s) in enumerate(_requests()):
+                await one(i, p, s)
+    finally:
+        engine.close("done")
+        await asyncio.wait_for(loop, 30)
+    return out, engine
+
+
+def _collect(out: Collected, key: int, event: StreamEvent) -> None:
+    out.tokens.setdefault(key, []).extend(event.token_ids)
+    out.logprobs.setdefault(key, []).extend(event.logprobs)
+    out.top.setdefault(key, []).extend(event.top_logprobs)
+    out.text[key] = out.text.get(key, "") + event.text
+    if event.finish_reason is not None:
+        out.finish[key] = event.finish_reason
+    out.usage += event.completion_tokens
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
+@pytest.mark.parametrize("num_blocks", [96, 24], ids=["roomy", "preempting"])
+def test_engine_output_is_the_same_with_ngram_speculation(model: Path, batched: bool, num_blocks: int) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    got = {}
+    for method in ("off", "ngram"):
+        runner = make_runner(model, num_blocks)
+        got[method], engine = asyncio.run(_serve(runner, scheduler_config(runner, method), tokenizer, batched))
+        assert engine.scheduler.block_manager.num_used_blocks == 0
+        if method == "ngram":
+            sched = engine.scheduler
+            assert sched.num_drafts > 0 and sched.num_accepted_tokens > 0, "no draft was accepted"
+        else:
+            assert engine.scheduler.num_drafts == 0
+    off, on = got["off"], got["ngram"]
+    assert on.tokens == off.tokens
+    assert on.logprobs == off.logprobs     # bit for bit
+    assert on.top == off.top
+    assert on.text == off.text
+    assert on.finish == off.finish
+    assert on.usage == off.usage
+    if num_blocks == 24 and batched:
+        assert engine.num_preemptions > 0
+
+
+# -- forced drafts through the runner -------------------------------------------------
+
+
+class ScriptedDrafter:
+    """Proposes, for each request, the reference continuation with some tokens
+    replaced (``pattern``: per draft index, right or wrong), cycling over patterns."""
+
+    def __init__(self, reference: dict[int, list[int]], patterns: Sequence[Sequence[bool]]) -> None:
+        self.reference, self.patterns, self.calls = reference, patterns, 0
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        pattern = self.patterns[self.calls % len(self.patterns)]
+        self.calls += 1
+        done = request.num_output_tokens
+        right = self.reference[request.seq_id][done:done + max_tokens]
+        return [t if ok else (t + 1 + i) % VOCAB for i, (t, ok) in enumerate(zip(right, pattern))]
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+class AlwaysDraft(SpeculationPolicy):
+    """Every proposal drafted whole (the rule is not under test here)."""
+
+    def draft_lengths(self, candidates: Sequence[DraftCandidate], num_tokens: int, num_seqs: int,
+                      budget: int) -> dict[int, int]:
+        lengths: dict[int, int] = {}
+        for c in candidates:
+            k = min(len(c.proposal), self.num_speculative_tokens, budget)
+            if k:
+                lengths[c.seq_id] = k
+                budget -= k
+        return lengths
+
+
+def _forced_requests() -> list[Request]:
+    return [
+        make_request(1, [5, 17, 42, 99, 3, 250, 7], max_tokens=14, ignore_eos=True),
+        make_request(2, [300, 2, 19, 77, 140], max_tokens=12, temperature=0.8, seed=11, top_k=50,
+                     ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+        make_request(3, list(range(30, 45)), max_tokens=10, min_tokens=4, top_logprobs=2, temperature=0.6,
+                     seed=2, top_p=0.8),
+    ]
+
+
+def _drive(runner: ModelRunner, sched: Scheduler, requests: list[Request]) -> list[tuple[list[int], list[float]]]:
+    for r in requests:
+        sched.add_request(r)
+    while sched.has_work():
+        output = sched.schedule()
+        sched.check_invariants()
+        plan = engine_pb2.StepPlan.FromString(to_step_plan(output, frozenset({EOS_TOKEN_ID})).SerializeToString())
+        result = runner.execute(plan)
+        sched.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        sched.check_invariants()
+        for r in sched._running:   # both sides cut the table the same way
+            assert runner.sequences[r.seq_id].block_table == r.block_ids
+            assert runner.sequences[r.seq_id].num_computed == r.num_computed_tokens
+    assert sched.block_manager.num_used_blocks == 0
+    return [(r.output_token_ids, r.output_logprobs) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def forced(model: Path) -> dict[str, Any]:
+    runner = make_runner(model)
+    reference = _drive(runner, Scheduler(scheduler_config(runner, "off")), _forced_requests())
+    return {"runner": runner, "reference": reference}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(patterns=st.lists(st.lists(st.booleans(), min_size=1, max_size=4), min_size=1, max_size=4)
+       | st.sampled_from([[[True] * 4], [[False] * 4]]))
+def test_random_drafts_through_the_runner_change_nothing(forced: dict[str, Any], patterns: list[list[bool]]) -> None:
+    runner: ModelRunner = forced["runner"]
+    reference = forced["reference"]
+    runner.execute(engine_pb2.StepPlan(step_id=1, reset=True))    # a fresh worker state for each example
+    config = scheduler_config(runner, "ngram", k=4)
+    requests = _forced_requests()
+    drafter = ScriptedDrafter({r.seq_id: out for r, (out, _) in zip(requests, reference)}, patterns)
+    sched = Scheduler(config, frozenset({EOS_TOKEN_ID}), drafter=drafter, speculation=AlwaysDraft(4))
+    got = _drive(runner, sched, requests)
+    assert got == reference
+    assert sched.num_drafts > 0
+    if all(all(p) for p in patterns):
+        assert sched.num_accepted_tokens == sched.num_draft_tokens
+    if not any(any(p) for p in patterns):
+        assert sched.num_accepted_tokens == 0
