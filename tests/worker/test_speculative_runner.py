@@ -51,7 +51,8 @@ def make_runner(model: Path, num_blocks: int = 96) -> ModelRunner:
 
 def scheduler_config(runner: ModelRunner, speculative: str, k: int = 5) -> SchedulerConfig:
     ready = runner.ready_message()
-    return SchedulerConfig(block_size=ready.block_size, num_blocks=ready.num_blocks, max_model_len=128,
+    return SchedulerConfig(block_size=ready.block_size, num_blocks=ready.num_blocks,
+                           max_model_len=min(128, ready.num_blocks * ready.block_size),
                            max_num_seqs=SEATS, max_num_batched_tokens=BUDGET,
                            speculative=speculative, num_speculative_tokens=k)  # type: ignore[arg-type]
 
@@ -139,8 +140,8 @@ def _collect(out: Collected, key: int, event: StreamEvent) -> None:
     out.usage += event.completion_tokens
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
-@pytest.mark.parametrize("num_blocks", [96, 24], ids=["roomy", "preempting"])
+@pytest.mark.parametrize(("batched", "num_blocks"), [(True, 96), (False, 96), (True, 24)],
+                         ids=["batched", "alone", "batched-preempting"])
 def test_engine_output_is_the_same_with_ngram_speculation(model: Path, batched: bool, num_blocks: int) -> None:
     from transformers import AutoTokenizer
 
