@@ -95,6 +95,8 @@ def test_speculation_changes_no_token_and_leaks_no_block(kwargs: dict[str, objec
     assert sum(on.acceptance_counts) == on.num_drafts
     assert on.block_manager.num_used_blocks == 0
     on.check_invariants()
+    if kwargs.get("num_blocks") == 20:
+        assert sum(r.num_preemptions for r in reqs_on) > 0
 
 
 def test_speculating_steps_keep_the_budget_and_the_tables() -> None:

@@ -146,10 +146,11 @@ def test_engine_output_is_the_same_with_ngram_speculation(model: Path, batched: 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    got = {}
+    got, preemptions = {}, {}
     for method in ("off", "ngram"):
         runner = make_runner(model, num_blocks)
         got[method], engine = asyncio.run(_serve(runner, scheduler_config(runner, method), tokenizer, batched))
+        preemptions[method] = engine.num_preemptions
         assert engine.scheduler.block_manager.num_used_blocks == 0
         if method == "ngram":
             sched = engine.scheduler
@@ -163,8 +164,8 @@ def test_engine_output_is_the_same_with_ngram_speculation(model: Path, batched: 
     assert on.text == off.text
     assert on.finish == off.finish
     assert on.usage == off.usage
-    if num_blocks == 24 and batched:
-        assert engine.num_preemptions > 0
+    if num_blocks == 24:   # (with drafts, where preemptions fall depends on the rule's timing)
+        assert preemptions["off"] > 0, preemptions
 
 
 # -- forced drafts through the runner -------------------------------------------------

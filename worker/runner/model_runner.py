@@ -37,7 +37,7 @@ import torch
 
 from jitney.common.model_files import cache_root
 from jitney.engine.v1 import engine_pb2
-from jitney.worker.runner import tuned_configs
+from jitney.worker.runner import speculative, tuned_configs
 from jitney.worker.attention.backend import AttentionMetadata
 from jitney.worker.attention.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
@@ -49,8 +49,8 @@ from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache, size_c
 from jitney.worker.loading.loader import load_model
 from jitney.worker.layers.reduce import no_reduce
 from jitney.worker.distributed.parallel import TensorParallelGroup
-from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, accept_drafts,
-                                apply_plan_diffs, chunk_rows, chunk_tokens, validate_plan)
+from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, apply_plan_diffs, chunk_rows,
+                                chunk_tokens, validate_plan)
 from jitney.worker.runner.sampler import log_softmax_rows, pack_results, sample_step, top_tokens
 from jitney.worker.runner.warmup import profile_activations, warm_up
 from jitney.worker.loading.weights_cache import WeightsCache
@@ -267,9 +267,8 @@ class ModelRunner:
                 state.last_sampled = token
                 yielded[seq_id] = yielded.get(seq_id, 0) + 1
         for seq_id, count in yielded.items():
-            row = self._unverified.pop(seq_id, None)
-            if row is not None:
-                self._roll_back(row, count - 1)
+            if (row := self._unverified.pop(seq_id, None)) is not None:
+                speculative.roll_back(self.sequences[seq_id], self.batch, row, count - 1, self.limits.block_size)
 
     def _forget_all(self) -> None:
         """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
@@ -447,45 +446,13 @@ class ModelRunner:
                      [float(v) for i, n in enumerate(counts) for v in top_lps[i, :n]])
 
     def _verify(self, step: StagedStep, chunks: list[StepChunk], drawn: _Draw) -> _Draw:
-        """Accept each verifying chunk's drafts while they equal the choices at
-        their positions; keep the choices up to the first that differs (or the
-        one after the last draft), and roll the sequence back to what was
-        accepted. Returns the kept rows' draw (``kept``: which of the S rows)."""
-        kept = [True] * step.num_sampled
-        by_seq = {c.seq_id: c for c in chunks if c.num_drafts}
-        row = 0
-        while row < step.num_sampled:
-            chunk = by_seq.get(step.sampled_seq_ids[row])
-            if chunk is None:
-                row += 1
-                continue
-            drafts = [int(t) for t in chunk.tokens[len(chunk.tokens) - chunk.num_drafts:]]
-            accepted = 0
-            while accepted < chunk.num_drafts and drawn.tokens[row + accepted] == drafts[accepted]:
-                accepted += 1
-            for j in range(accepted + 1, chunk.num_drafts + 1):
-                kept[row + j] = False
-            if self.batch.any_penalised:
-                self.batch.uncount_rejected(chunk.seq_id, np.array(drafts[accepted:], dtype=np.int64))
-            self._roll_back(self._unverified.pop(chunk.seq_id), accepted)
-            row += chunk.num_drafts + 1
-        widths = step.top_n[np.flatnonzero(step.top_n)].tolist()
-        top_ids, top_lps, at = [], [], 0
-        for i in np.flatnonzero(step.top_n).tolist():
-            n = widths.pop(0)
-            if kept[i]:
-                top_ids += drawn.top_ids[at:at + n]
-                top_lps += drawn.top_logprobs[at:at + n]
-            at += n
-        return _Draw([t for t, k in zip(drawn.tokens, kept) if k], [v for v, k in zip(drawn.logprobs, kept) if k],
-                     top_ids, top_lps, kept)
-
-    def _roll_back(self, row: ChunkRow, accepted: int) -> None:
-        """A verified chunk's outcome (``accept_drafts``): the sequence computed up to
-        its accepted drafts, its table (and its batch row's) cut to what they need."""
-        state = self.sequences[row.seq_id]
-        accept_drafts(state, row, accepted, self.limits.block_size)
-        self.batch.truncate_blocks(row.seq_id, len(state.block_table))
+        """The verifying chunks' outcome (``speculative``): the kept rows' draw
+        (``kept``: which of the S rows), their sequences rolled back."""
+        kept, accepted = speculative.verify(step, chunks, drawn.tokens)
+        for seq_id, (n, drafts) in accepted.items():
+            speculative.roll_back(self.sequences[seq_id], self.batch, self._unverified.pop(seq_id), n,
+                                  self.limits.block_size, drafts[n:])
+        return _Draw(*speculative.kept_rows(step, kept, *drawn[:4]), kept)
 
     def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
                 result: engine_pb2.StepResult) -> None:
