@@ -222,8 +222,7 @@ class SpeculationPolicy:
         ``num_tokens`` tokens over ``num_seqs`` sampled sequences."""
         a, b = self.cost.fit()
         t = a + b * num_tokens
-        share = t / max(1, num_seqs)
-        return self.alpha(seq_id) * share > b and self.alpha(seq_id) * share > self.overhead_seconds
+        return self.alpha(seq_id) * t / max(1, num_seqs) > b + self.overhead_seconds   # one draft pays
 
     def draft_lengths(self, candidates: Sequence[DraftCandidate], num_tokens: int, num_seqs: int,
                       budget: int) -> dict[int, int]:

@@ -195,3 +195,21 @@ def test_config_validates_speculation() -> None:
         _config(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         _config(num_speculative_tokens=32, max_num_batched_tokens=32)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"num_draft_tokens": 3, "sample": True}, "leave no token before them"),
+    ({"num_draft_tokens": 1, "sample": False}, "must sample"),
+    ({"num_draft_tokens": 1, "sample": True, "masked": True}, "grammar mask"),
+])
+def test_worker_refuses_malformed_drafts(fields: dict[str, object], message: str) -> None:
+    from jitney.engine.v1 import engine_pb2
+    from tests.support.fake_worker import PlanError
+
+    worker = FakeWorker(16, 4)
+    plan = engine_pb2.StepPlan(step_id=1, new_sequences=[engine_pb2.NewSequence(seq_id=1)], chunks=[
+        engine_pb2.ScheduledChunk(seq_id=1, start_position=0, token_ids=[5, 6, 7], new_block_ids=[0],
+                                  **fields)])  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=message):
+        worker.execute(plan)
+    assert not worker.seqs        # refused whole: nothing applied
