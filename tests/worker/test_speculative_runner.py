@@ -90,7 +90,7 @@ class Collected:
     usage: int = 0
 
 
-def _requests() -> list[tuple[list[int], SamplingOptions]]:
+def _requests(stop: tuple[str, ...] = ("zz",)) -> list[tuple[list[int], SamplingOptions]]:
     loop = [11, 12, 13, 14, 15, 16]
     prefix = [40 + i for i in range(18)]       # shared by several: prefix-cache hits
     opts = SamplingOptions
@@ -101,13 +101,22 @@ def _requests() -> list[tuple[list[int], SamplingOptions]]:
                             repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)),
         (loop * 2 + [3], opts(max_tokens=20, min_tokens=6, logit_bias=((13, 2.0),), top_logprobs=3)),
         (prefix + [5, 6], opts(max_tokens=16, n=2, temperature=0.5, seed=3, ignore_eos=True)),
-        ([20, 21, 22, 20, 21, 22, 20], opts(max_tokens=28, ignore_eos=True, stop=("zz", "he"))),
+        ([20, 21, 22, 20, 21, 22, 20], opts(max_tokens=28, ignore_eos=True, stop=stop)),
     ]
 
 
-async def _serve(runner: ModelRunner, config: SchedulerConfig, tokenizer: Any, batched: bool) -> tuple[Collected, Engine]:
+async def _serve(runner: ModelRunner, config: SchedulerConfig, tokenizer: Any, batched: bool,
+                 stop: tuple[str, ...], oracle: Collected | None = None) -> tuple[Collected, Engine]:
+    """Serve ``_requests(stop)``; with ``oracle`` (an earlier run's output), its
+    tokens are forced as drafts (corrupted at times) instead of the ngram drafter's."""
     engine = Engine(config, InProcessLink(runner), tokenizer, frozenset({EOS_TOKEN_ID}),  # type: ignore[arg-type]
                     vocab_size=VOCAB)
+    requests = _requests(stop)
+    if oracle is not None:
+        by_prompt = {(tuple(p), k % 100): oracle.tokens[k] for i, (p, _) in enumerate(requests)
+                     for k in oracle.tokens if k // 100 == i}
+        engine.scheduler._drafter = OracleDrafter(by_prompt)
+        engine.scheduler.speculation = AlwaysDraft(config.num_speculative_tokens)
     loop = asyncio.create_task(engine.run())
     out = Collected()
 
@@ -120,9 +129,9 @@ async def _serve(runner: ModelRunner, config: SchedulerConfig, tokenizer: Any, b
 
     try:
         if batched:
-            await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(_requests())))
+            await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(requests)))
         else:
-            for i, (p, s) in enumerate(_requests()):
+            for i, (p, s) in enumerate(requests):
                 await one(i, p, s)
     finally:
         engine.close("done")
@@ -140,31 +149,73 @@ def _collect(out: Collected, key: int, event: StreamEvent) -> None:
     out.usage += event.completion_tokens
 
 
-@pytest.mark.parametrize(("batched", "num_blocks"), [(True, 96), (False, 96), (True, 24)],
-                         ids=["batched", "alone", "batched-preempting"])
-def test_engine_output_is_the_same_with_ngram_speculation(model: Path, batched: bool, num_blocks: int) -> None:
+class OracleDrafter:
+    """Drafts a run's known output (keyed by prompt and sample index), every third
+    proposal with its last token wrong."""
+
+    def __init__(self, outputs: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
+        self.outputs, self.calls = outputs, 0
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        done = request.num_output_tokens
+        right = self.outputs[(tuple(request.prompt_token_ids), request.sample_index)][done:done + max_tokens]
+        self.calls += 1
+        if right and self.calls % 3 == 0:
+            right[-1] = (right[-1] + 1) % VOCAB
+        return right
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+@pytest.fixture(scope="module")
+def stop(model: Path, tokenizer: Any) -> tuple[str, ...]:
+    """A stop string from the middle of the last request's text (so a stop ends it)."""
+    runner = make_runner(model)
+    out, _ = asyncio.run(_serve(runner, scheduler_config(runner, "off"), tokenizer, True, ("zz",)))
+    text = out.text[500]
+    return (text[len(text) // 2:len(text) // 2 + 3],)
+
+
+@pytest.mark.parametrize(("batched", "num_blocks", "drafter"),
+                         [(True, 96, "ngram"), (True, 96, "oracle"), (False, 96, "oracle"), (True, 24, "oracle")],
+                         ids=["batched-ngram", "batched", "alone", "batched-preempting"])
+def test_engine_output_is_the_same_with_speculation(model: Path, tokenizer: Any, stop: tuple[str, ...],
+                                                    batched: bool, num_blocks: int, drafter: str) -> None:
+    """The ngram drafter and the adaptive rule on their own (drafts seldom right on a
+    random model), then drafts forced from the output itself (mostly right)."""
     got, preemptions = {}, {}
     for method in ("off", "ngram"):
         runner = make_runner(model, num_blocks)
-        got[method], engine = asyncio.run(_serve(runner, scheduler_config(runner, method), tokenizer, batched))
+        oracle = got["off"] if method == "ngram" and drafter == "oracle" else None
+        got[method], engine = asyncio.run(_serve(runner, scheduler_config(runner, method), tokenizer, batched,
+                                                 stop, oracle))
         preemptions[method] = engine.num_preemptions
         assert engine.scheduler.block_manager.num_used_blocks == 0
-        if method == "ngram":
-            sched = engine.scheduler
-            assert sched.num_drafts > 0 and sched.num_accepted_tokens > 0, "no draft was accepted"
+        sched = engine.scheduler
+        if method == "off":
+            assert sched.num_drafts == 0
+        elif drafter == "oracle":
+            assert sched.num_accepted_tokens > sched.num_draft_tokens // 2, "drafts were not accepted"
+            assert sched.num_accepted_tokens < sched.num_draft_tokens   # and some rejected
         else:
-            assert engine.scheduler.num_drafts == 0
+            assert sched.num_drafts > 0
     off, on = got["off"], got["ngram"]
+    assert off.finish[500] is FinishReason.STOP_SEQUENCE    # the stop string is exercised
     assert on.tokens == off.tokens
     assert on.logprobs == off.logprobs     # bit for bit
     assert on.top == off.top
     assert on.text == off.text
     assert on.finish == off.finish
     assert on.usage == off.usage
-    if num_blocks == 24:   # (with drafts, where preemptions fall depends on the rule's timing)
+    if num_blocks == 24:   # (with drafts, where preemptions fall depends on the schedule)
         assert preemptions["off"] > 0, preemptions
 
 
