@@ -34,13 +34,15 @@ different output tokens.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+
+import numpy as np
 
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.plan import to_step_plan
 from jitney.scheduler.core.request import Request, SamplingOptions
 from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
-from collections.abc import Callable
 
 from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, accept_drafts, apply_plan_diffs,
                                 chunk_rows, chunk_tokens, validate_plan)
@@ -128,7 +130,11 @@ class FakeWorker:
             self._hold(chunk)
         result = engine_pb2.StepResult(step_id=plan.step_id)
         for chunk, row in zip(plan.chunks, chunk_rows(plan)):
-            tokens = self._run_chunk(chunk, row.num_drafts)
+            if row.num_drafts:
+                tokens = self._verify_chunk(chunk, row.num_drafts)
+            else:
+                token = self._run_chunk(chunk)
+                tokens = [] if token is None else [token]
             for token in tokens:
                 result.seq_ids.append(chunk.seq_id)
                 result.token_ids.append(token)
@@ -181,9 +187,32 @@ class FakeWorker:
         _require(len(set(table[live:])) == len(table) - live,
                  f"seq {sid}: a block twice in its table {table[live:]}")
 
-    def _run_chunk(self, chunk: engine_pb2.ScheduledChunk, num_drafts: int = 0) -> list[int]:
-        """Compute the chunk; its sampled tokens (none, one, or with drafts the
-        choices up to the first that differs from its draft)."""
+    def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
+        seq = self.seqs[chunk.seq_id]
+        self._compute(chunk)
+        if not chunk.sample:
+            return None
+        seq.last_sampled = self.model(self._read(chunk.seq_id))
+        return seq.last_sampled
+
+    def _verify_chunk(self, chunk: engine_pb2.ScheduledChunk, num_drafts: int) -> list[int]:
+        """Compute a chunk with drafts; the choices at its last ``num_drafts`` + 1
+        positions up to the first that differs from its draft."""
+        seq = self.seqs[chunk.seq_id]
+        tokens = self._compute(chunk)
+        history = self._read(chunk.seq_id)
+        drafts = list(tokens[len(tokens) - num_drafts:])
+        base = len(history) - num_drafts
+        chosen: list[int] = []
+        for j in range(num_drafts + 1):
+            chosen.append(self.model(history[:base + j]))
+            if j == num_drafts or chosen[-1] != drafts[j]:
+                break
+        seq.last_sampled = chosen[-1]
+        return chosen
+
+    def _compute(self, chunk: engine_pb2.ScheduledChunk) -> np.ndarray | list[int]:
+        """Write the chunk's tokens through the table; returns them."""
         seq = self.seqs[chunk.seq_id]
         tokens = chunk_tokens(chunk, seq)
         computed = self.num_computed.get(chunk.seq_id)
@@ -199,18 +228,7 @@ class FakeWorker:
         self.num_computed[chunk.seq_id] = computed
         _require(len(seq.block_table) == -(-computed // self.block_size),
                  f"seq {chunk.seq_id}: table of {len(seq.block_table)} blocks for {computed} positions")
-        if not chunk.sample:
-            return []
-        history = self._read(chunk.seq_id)
-        drafts = list(tokens[len(tokens) - num_drafts:]) if num_drafts else []
-        base = len(history) - num_drafts
-        chosen = []
-        for j in range(num_drafts + 1):
-            chosen.append(self.model(history[:base + j]))
-            if j == num_drafts or chosen[-1] != drafts[j]:
-                break
-        seq.last_sampled = chosen[-1]
-        return chosen
+        return tokens
 
     def _write(self, seq_id: int, position: int, token: int) -> None:
         table = self.seqs[seq_id].block_table

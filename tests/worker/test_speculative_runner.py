@@ -306,3 +306,30 @@ def test_random_drafts_through_the_runner_change_nothing(forced: dict[str, Any],
         assert sched.num_accepted_tokens == sched.num_draft_tokens
     if not any(any(p) for p in patterns):
         assert sched.num_accepted_tokens == 0
+
+
+def test_default_model_copying_accepts_drafts_and_changes_nothing() -> None:
+    """The default model (bf16) restating its prompt (spec-edit-32's first
+    requests): the ngram drafter's drafts are mostly right, and the tokens and
+    logprobs, greedy and seeded, are those of no speculation."""
+    import json
+
+    lines = (Path(__file__).resolve().parents[2] / "bench" / "workloads" / "spec-edit-32.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt_token_ids"] for line in lines[:2]]
+    runner = ModelRunner(WorkerConfig(block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4))
+    ready = runner.ready_message()
+
+    def requests() -> list[Request]:
+        return [make_request(1, prompts[0], max_tokens=16, ignore_eos=True),
+                make_request(2, prompts[1], max_tokens=16, ignore_eos=True, temperature=0.7, seed=7)]
+
+    results, scheds = {}, {}
+    for method in ("off", "ngram"):
+        runner.execute(engine_pb2.StepPlan(step_id=1, reset=True))
+        config = SchedulerConfig(block_size=16, num_blocks=ready.num_blocks, max_model_len=1024, max_num_seqs=4,
+                                 max_num_batched_tokens=64, speculative=method, num_speculative_tokens=6)  # type: ignore[arg-type]
+        scheds[method] = Scheduler(config, frozenset(ready.eos_token_ids))
+        results[method] = _drive(runner, scheds[method], requests())
+    assert results["ngram"] == results["off"]
+    on = scheds["ngram"]
+    assert on.num_accepted_tokens >= on.num_draft_tokens // 2 > 0, (on.num_accepted_tokens, on.num_draft_tokens)
