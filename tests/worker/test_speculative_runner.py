@@ -31,6 +31,7 @@ from jitney.scheduler.core.plan import to_step_plan
 from jitney.scheduler.core.request import FinishReason, Request, SamplingOptions, ValidatedRequest
 from jitney.scheduler.core.scheduler import Scheduler
 from jitney.scheduler.core.speculative import DraftCandidate, SpeculationPolicy
+from jitney.scheduler.core.trace import StepTracer, read_trace
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.model_runner import ModelRunner
 from tests.support.fake_worker import make_request
@@ -106,11 +107,12 @@ def _requests(stop: tuple[str, ...] = ("zz",)) -> list[tuple[list[int], Sampling
 
 
 async def _serve(runner: ModelRunner, config: SchedulerConfig, tokenizer: Any, batched: bool,
-                 stop: tuple[str, ...], oracle: Collected | None = None) -> tuple[Collected, Engine]:
+                 stop: tuple[str, ...], oracle: Collected | None = None,
+                 tracer: StepTracer | None = None) -> tuple[Collected, Engine]:
     """Serve ``_requests(stop)``; with ``oracle`` (an earlier run's output), its
     tokens are forced as drafts (corrupted at times) instead of the ngram drafter's."""
     engine = Engine(config, InProcessLink(runner), tokenizer, frozenset({EOS_TOKEN_ID}),  # type: ignore[arg-type]
-                    vocab_size=VOCAB)
+                    vocab_size=VOCAB, tracer=tracer)
     requests = _requests(stop)
     if oracle is not None:
         by_prompt = {(tuple(p), k % 100): oracle.tokens[k] for i, (p, _) in enumerate(requests)
@@ -188,15 +190,19 @@ def stop(model: Path, tokenizer: Any) -> tuple[str, ...]:
                          [(True, 96, "ngram"), (True, 96, "oracle"), (False, 96, "oracle"), (True, 24, "oracle")],
                          ids=["batched-ngram", "batched", "alone", "batched-preempting"])
 def test_engine_output_is_the_same_with_speculation(model: Path, tokenizer: Any, stop: tuple[str, ...],
-                                                    batched: bool, num_blocks: int, drafter: str) -> None:
+                                                    batched: bool, num_blocks: int, drafter: str,
+                                                    tmp_path: Path) -> None:
     """The ngram drafter and the adaptive rule on their own (drafts seldom right on a
     random model), then drafts forced from the output itself (mostly right)."""
     got, preemptions = {}, {}
     for method in ("off", "ngram"):
         runner = make_runner(model, num_blocks)
         oracle = got["off"] if method == "ngram" and drafter == "oracle" else None
+        tracer = StepTracer(tmp_path / f"{method}.jsonl")
         got[method], engine = asyncio.run(_serve(runner, scheduler_config(runner, method), tokenizer, batched,
-                                                 stop, oracle))
+                                                 stop, oracle, tracer))
+        tracer.close()
+        _check_visibility(engine, read_trace(tmp_path / f"{method}.jsonl"))
         preemptions[method] = engine.num_preemptions
         assert engine.scheduler.block_manager.num_used_blocks == 0
         sched = engine.scheduler
@@ -217,6 +223,21 @@ def test_engine_output_is_the_same_with_speculation(model: Path, tokenizer: Any,
     assert on.usage == off.usage
     if num_blocks == 24:   # (with drafts, where preemptions fall depends on the schedule)
         assert preemptions["off"] > 0, preemptions
+
+
+def _check_visibility(engine: Engine, trace: list[dict[str, Any]]) -> None:
+    """The step trace, the Prometheus metrics and the scheduler agree on the drafts."""
+    from jitney.scheduler.api.metrics import Metrics
+
+    sched = engine.scheduler
+    assert sum(s["draft_tokens"] for s in trace) == sched.num_draft_tokens
+    assert sum(s["accepted_tokens"] for s in trace) == sched.num_accepted_tokens
+    families = {f.name: f for f in Metrics(lambda: engine).registry.collect()}
+    assert families["jitney:spec_decode_num_draft_tokens"].samples[0].value == sched.num_draft_tokens
+    assert families["jitney:spec_decode_num_accepted_tokens"].samples[0].value == sched.num_accepted_tokens
+    histogram = {s.labels.get("le"): s.value for s in families["jitney:spec_decode_acceptance_length"].samples
+                 if s.name.endswith("_bucket")}
+    assert histogram["+Inf"] == sched.num_drafts
 
 
 # -- forced drafts through the runner -------------------------------------------------
