@@ -194,7 +194,8 @@ def test_engine_output_is_the_same_with_speculation(model: Path, tokenizer: Any,
                                                     tmp_path: Path) -> None:
     """The ngram drafter and the adaptive rule on their own (drafts seldom right on a
     random model), then drafts forced from the output itself (mostly right)."""
-    got, preemptions = {}, {}
+    got: dict[str, Collected] = {}
+    preemptions: dict[str, int] = {}
     for method in ("off", "ngram"):
         runner = make_runner(model, num_blocks)
         oracle = got["off"] if method == "ngram" and drafter == "oracle" else None
