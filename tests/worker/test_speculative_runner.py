@@ -355,3 +355,37 @@ def test_default_model_copying_accepts_drafts_and_changes_nothing() -> None:
     assert results["ngram"] == results["off"]
     on = scheds["ngram"]
     assert on.num_accepted_tokens >= on.num_draft_tokens // 2 > 0, (on.num_accepted_tokens, on.num_draft_tokens)
+
+
+def test_a_follower_rank_rolls_back_as_rank_0(model: Path) -> None:
+    """Tensor parallelism's ranks > 0 run every plan without sampling and learn the
+    tokens (so how many drafts were accepted) from those rank 0 relays with the
+    next plan (``note_samples``): their sequences end up as rank 0's."""
+    leader, follower = make_runner(model), make_runner(model)
+    follower.samples = False     # (as a rank > 0: the forward only)
+    requests = _forced_requests()
+    reference = {r.seq_id: out for r, (out, _) in zip(requests, _drive(leader, Scheduler(
+        scheduler_config(leader, "off")), _forced_requests()))}
+    leader.execute(engine_pb2.StepPlan(step_id=1, reset=True))
+    sched = Scheduler(scheduler_config(leader, "ngram", k=4), frozenset({EOS_TOKEN_ID}),
+                      drafter=ScriptedDrafter(reference, [[True, True, False], [True], [False]]),
+                      speculation=AlwaysDraft(4))
+    for r in requests:
+        sched.add_request(r)
+    relayed: tuple[list[int], list[int]] = ([], [])
+    while sched.has_work():
+        output = sched.schedule()
+        plan = engine_pb2.StepPlan.FromString(to_step_plan(output, frozenset({EOS_TOKEN_ID})).SerializeToString())
+        result = leader.execute(plan)
+        follower.note_samples(*relayed)
+        follower.execute(plan)
+        relayed = (list(result.seq_ids), list(result.token_ids))
+        sched.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        follower.note_samples(*relayed)     # (what the next plan would bring)
+        relayed = ([], [])
+        for sid, state in leader.sequences.items():
+            mine = follower.sequences[sid]
+            assert (mine.num_computed, mine.block_table, mine.last_sampled) == \
+                (state.num_computed, state.block_table, state.last_sampled)
+    assert sched.num_drafts > 0 and 0 < sched.num_accepted_tokens < sched.num_draft_tokens
+    assert [r.output_token_ids for r in requests] == [reference[r.seq_id] for r in requests]
