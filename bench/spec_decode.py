@@ -16,7 +16,8 @@ running requests, the steps, the draft tokens per step and the accepted
 tokens per step. Outputs are compared too: the token ids of every request
 must be equal between the methods (greedy: exactness).
 
-    python bench/spec_decode.py [--cases edit-alone edit-all offline] [--limit N] [--json PATH]
+    python bench/spec_decode.py [--cases edit-alone edit-all offline] [--limit N]
+                                [--num-speculative-tokens K] [--json PATH]
 
 ``--limit N`` replays only the first N requests of each workload (a short
 run); ``--model`` another model than the default.
@@ -102,11 +103,14 @@ def _per_load(trace: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
             for n, steps in sorted(groups.items())}
 
 
-def run_case(case: str, method: str, model: str | None, limit: int | None, tmp: Path) -> dict[str, Any]:
+def run_case(case: str, method: str, model: str | None, limit: int | None, tmp: Path,
+             k: int | None = None) -> dict[str, Any]:
     workload, concurrency = CASES[case]
     items = load_workload(WORKLOADS / workload)[:limit]
     trace = tmp / f"{case}-{method}.jsonl"
     args = ["--speculative", method, "--trace", str(trace)] + (["--model", model] if model else [])
+    if k is not None and method != "off":
+        args += ["--num-speculative-tokens", str(k)]
     with running_server(args, tmp) as server:
         summary, tokens = asyncio.run(_replay(server.target, items, concurrency))
         stats = _stats(server.target)
@@ -146,13 +150,16 @@ def main() -> int:
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     ap.add_argument("--limit", type=int, default=None, help="only the first N requests of each workload")
     ap.add_argument("--model", default=None, help="model folder (default: the bundled default model)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                    help="K for the ngram runs (default: the server's)")
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
     results: dict[str, dict[str, Any]] = {}
     same = True
     with tempfile.TemporaryDirectory() as tmp:
         for case in ns.cases:
-            results[case] = {m: run_case(case, m, ns.model, ns.limit, Path(tmp)) for m in METHODS}
+            results[case] = {m: run_case(case, m, ns.model, ns.limit, Path(tmp), ns.num_speculative_tokens)
+                             for m in METHODS}
             tokens = [results[case][m].pop("_tokens") for m in METHODS]
             results[case]["same_tokens"] = tokens[0] == tokens[1]
             same &= tokens[0] == tokens[1]

@@ -134,10 +134,12 @@ class StepCostModel:
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_variance = min_variance
         self.prior_tokens = prior_tokens
+        self._fit: tuple[float, float] | None = None   # until the next step is observed
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and math.isfinite(seconds) and seconds > 0:
             self._steps.append((num_tokens, seconds))
+            self._fit = None
 
     @property
     def num_observed(self) -> int:
@@ -147,6 +149,11 @@ class StepCostModel:
         """(a, b): seconds per step and per token. Before any step is measured,
         a step of 1 s that doubles at ``prior_tokens`` tokens (only the ratio
         of the two matters to the rule, until the engine's overhead is known)."""
+        if self._fit is None:
+            self._fit = self._least_squares()
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float]:
         n = len(self._steps)
         if not n:
             return 1.0, 1.0 / self.prior_tokens
