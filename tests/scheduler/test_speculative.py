@@ -13,16 +13,17 @@ from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import FinishReason, Request
 from jitney.scheduler.core.scheduler import Scheduler
 from jitney.scheduler.core.speculative import NgramIndex, SpeculationPolicy, DraftCandidate, StepCostModel
-from tests.support.fake_worker import VOCAB, FakeWorker, drive_step, make_request, run_until_idle
+from tests.support.fake_worker import VOCAB, FakeWorker, drive_step, make_request, run_until_idle, wire_plan
 
 
-def periodic(period: int):  # type: ignore[no-untyped-def]
+def periodic(period: int, window: int = 0):  # type: ignore[no-untyped-def]
     """A fake model that repeats the token ``period`` back (its drafts are often right),
-    with a twist every 7th position so that some drafts are wrong."""
+    with a twist every 7th position so that some drafts are wrong; with a ``window``
+    it reads only the last ``window`` tokens, as a windowed model."""
     def model(history: list[int]) -> int:
         n = len(history)
         if n % 7 == 0:
-            return (sum(history) * 31 + n) % VOCAB
+            return (sum(history[-window:] if window else history) * 31 + n) % VOCAB
         return history[-period] if n >= period else (n * 13) % VOCAB
     return model
 
@@ -72,7 +73,7 @@ def _requests(n: int, max_tokens: int = 40, seed: int = 0) -> list[Request]:
 
 def _run(config: SchedulerConfig, requests: list[Request], period: int = 3) -> tuple[Scheduler, FakeWorker]:
     scheduler = Scheduler(config)
-    worker = FakeWorker.for_config(config, model=periodic(period))
+    worker = FakeWorker.for_config(config, model=periodic(period, config.sliding_window))
     for r in requests:
         scheduler.add_request(r)
     run_until_idle(scheduler, worker)
@@ -81,7 +82,9 @@ def _run(config: SchedulerConfig, requests: list[Request], period: int = 3) -> t
 
 @pytest.mark.parametrize("kwargs", [{}, {"num_blocks": 20, "max_model_len": 64},   # preemptions
                                     {"max_num_batched_tokens": 8, "max_num_seqs": 4},
-                                    {"enable_prefix_caching": False}])
+                                    {"enable_prefix_caching": False},
+                                    {"sliding_window": 8, "num_blocks": 40},      # windowed: blocks released
+                                    {"max_model_len": 36}])                       # context-length ends
 def test_speculation_changes_no_token_and_leaks_no_block(kwargs: dict[str, object]) -> None:
     off, _ = _run(_config("off", **kwargs), reqs_off := _requests(6))
     on, worker = _run(_config("ngram", **kwargs), reqs_on := _requests(6))
@@ -213,3 +216,29 @@ def test_worker_refuses_malformed_drafts(fields: dict[str, object], message: str
     with pytest.raises(PlanError, match=message):
         worker.execute(plan)
     assert not worker.seqs        # refused whole: nothing applied
+
+
+def test_a_request_cancelled_while_its_drafts_are_verified() -> None:
+    """Aborted between plan and result: the result's tokens are dropped, every
+    block is back, and the worker forgets the sequence in the next plan."""
+    config = _config()
+    scheduler = Scheduler(config)
+    worker = FakeWorker.for_config(config, model=periodic(3))
+    request = make_request(1, [11, 12, 13] * 4, max_tokens=30)
+    scheduler.add_request(request)
+    while True:
+        output = scheduler.schedule()
+        result = worker.execute(wire_plan(output))
+        if any(c.num_draft_tokens for c in output.scheduled):
+            break
+        scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+    emitted = request.num_output_tokens
+    scheduler.abort_request(1, FinishReason.CANCELLED)
+    assert scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids),
+                                        list(result.logprobs)) == []
+    assert request.num_output_tokens == emitted and scheduler.block_manager.num_used_blocks == 0
+    scheduler.check_invariants()
+    final = scheduler.schedule()
+    assert final.freed_seq_ids == [1]
+    worker.execute(wire_plan(final))
+    assert not worker.seqs and not worker.holders

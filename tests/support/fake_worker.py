@@ -200,7 +200,7 @@ class FakeWorker:
         positions up to the first that differs from its draft."""
         seq = self.seqs[chunk.seq_id]
         tokens = self._compute(chunk)
-        history = self._read(chunk.seq_id)
+        history = self._read(chunk.seq_id, num_drafts)
         drafts = list(tokens[len(tokens) - num_drafts:])
         base = len(history) - num_drafts
         chosen: list[int] = []
@@ -240,10 +240,12 @@ class FakeWorker:
                  f"held by seqs {sorted(self.holders[block_id])}")
         self.cache[block_id][position % self.block_size] = token
 
-    def _read(self, seq_id: int) -> list[int]:
+    def _read(self, seq_id: int, num_drafts: int = 0) -> list[int]:
+        """The sequence's computed tokens through its table (zeros before the
+        window of its first query: with drafts, the chunk's last non-draft token)."""
         table = self.seqs[seq_id].block_table
         computed = self.num_computed[seq_id]
-        first = max(0, computed - self.window) if self.window else 0
+        first = max(0, computed - num_drafts - self.window) if self.window else 0
         history: list[int] = [0] * first     # never read: outside the window
         for position in range(first, computed):
             _require(self.holders.get(table[position // self.block_size]) is not None
