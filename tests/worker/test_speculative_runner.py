@@ -296,8 +296,11 @@ def _drive(runner: ModelRunner, sched: Scheduler, requests: list[Request]) -> li
         result = runner.execute(plan)
         sched.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
         sched.check_invariants()
+        null = sched.block_manager.null_block    # (a released entry: the worker keeps the old id)
         for r in sched._running:   # both sides cut the table the same way
-            assert runner.sequences[r.seq_id].block_table == r.block_ids
+            table = runner.sequences[r.seq_id].block_table
+            assert len(table) == len(r.block_ids)
+            assert all(mine == theirs for mine, theirs in zip(table, r.block_ids) if theirs != null)
             assert runner.sequences[r.seq_id].num_computed == r.num_computed_tokens
     assert sched.block_manager.num_used_blocks == 0
     return [(r.output_token_ids, r.output_logprobs) for r in requests]
@@ -389,3 +392,30 @@ def test_a_follower_rank_rolls_back_as_rank_0(model: Path) -> None:
                 (state.num_computed, state.block_table, state.last_sampled)
     assert sched.num_drafts > 0 and 0 < sched.num_accepted_tokens < sched.num_draft_tokens
     assert [r.output_token_ids for r in requests] == [reference[r.seq_id] for r in requests]
+
+
+def test_forced_drafts_on_a_windowed_model(tmp_path: Path) -> None:
+    """A Mistral whose every layer is windowed (7 keys): blocks before the window go
+    back to the pool as requests grow, drafts verified or not; same bits as without."""
+    from jitney.scheduler.core.config import max_model_len_for
+    from tests.support.tiny_models import make_tiny_mistral
+
+    runner = make_runner(make_tiny_mistral(tmp_path / "mistral", window=7))
+    ready = runner.ready_message()
+
+    def config(method: str) -> SchedulerConfig:
+        return SchedulerConfig(block_size=ready.block_size, num_blocks=ready.num_blocks, max_num_seqs=SEATS,
+                               max_num_batched_tokens=BUDGET, sliding_window=ready.sliding_window,
+                               max_model_len=max_model_len_for(ready.context_length, ready.num_blocks,
+                                                               ready.block_size, ready.sliding_window, BUDGET),
+                               speculative=method, num_speculative_tokens=4)  # type: ignore[arg-type]
+
+    assert ready.sliding_window == 7
+    reference = _drive(runner, Scheduler(config("off")), _forced_requests())
+    runner.execute(engine_pb2.StepPlan(step_id=1, reset=True))
+    requests = _forced_requests()
+    sched = Scheduler(config("ngram"), frozenset({EOS_TOKEN_ID}), speculation=AlwaysDraft(4),
+                      drafter=ScriptedDrafter({r.seq_id: out for r, (out, _) in zip(requests, reference)},
+                                              [[True, True, True, False], [True], [False, True]]))
+    assert _drive(runner, sched, requests) == reference
+    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
