@@ -76,7 +76,7 @@ class SchedulerProcessConfig:
     served_model_names: tuple[str, ...] = ()  # the API's names of the model, primary first; () = its own
     chat_template: str | None = None     # a Jinja file that replaces the model's chat template
     generation_config: str = "auto"      # sampling defaults: auto (the model's), none, or a folder
-    speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram (core/speculative.py)
+    speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix (core/speculative.py)
     num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
 
     @classmethod
@@ -117,9 +117,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="turn off prefix caching (sharing the KV blocks of common prompt prefixes)")
     parser.add_argument("--speculative", choices=SPECULATIVE_METHODS, default="off",
-                        help="speculative decoding: off (default), or ngram (drafts looked up in the "
-                             "sequence's own prompt and output, verified inside the batch: the same "
-                             "tokens and logprobs as off; drafts only while they pay at the current load)")
+                        help="speculative decoding: off (default); ngram (drafts looked up in the "
+                             "sequence's own prompt and output) or suffix (also in the recent finished "
+                             "sequences of its cache_salt); drafts are verified inside the batch (the same "
+                             "tokens and logprobs as off) and made only while they pay at the current load")
     parser.add_argument("--num-speculative-tokens", type=int_in(1, MAX_SPECULATIVE_TOKENS,
                                                                 meaning=f"an integer in 1..{MAX_SPECULATIVE_TOKENS}"),
                         default=4, metavar="K",

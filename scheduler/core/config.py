@@ -64,8 +64,9 @@ class SchedulerConfig:
     (``--no-prefix-cache`` turns it off). See ``block_manager.py``."""
 
     speculative: SpeculativeMethod = "off"
-    """Speculative decoding (``--speculative``): ``off``, or ``ngram`` (prompt
-    lookup in the sequence's own tokens, ``speculative.py``). Drafts are
+    """Speculative decoding (``--speculative``): ``off``, ``ngram`` (prompt
+    lookup in the sequence's own tokens) or ``suffix`` (also in the recent
+    finished sequences of its cache_salt; ``speculative.py``). Drafts are
     verified inside the step; the output is the same as ``off``."""
 
     num_speculative_tokens: int = 4

@@ -324,15 +324,17 @@ class Scheduler:
         if budget <= 0:
             return
         candidates, chunks = [], {}
+        num_sampled = sum(c.sample for c in output.scheduled)
         for chunk in output.scheduled:
             request, cap = chunk.request, self._draft_cap(chunk)
+            if cap and not self.speculation.worth_drafting(request.seq_id, output.num_batched_tokens, num_sampled):
+                cap = 0     # not even one draft would pay: no proposal asked for
             proposal = self._drafter.propose(request, cap) if cap else []
             if proposal:
                 candidates.append(DraftCandidate(request.seq_id, proposal))
                 chunks[request.seq_id] = chunk
         if not candidates:
             return
-        num_sampled = sum(c.sample for c in output.scheduled)
         lengths = self.speculation.draft_lengths(candidates, output.num_batched_tokens, num_sampled, budget)
         for candidate in candidates:
             k = lengths.get(candidate.seq_id, 0)

@@ -14,6 +14,8 @@ token), so accepting a draft equal to the choice changes nothing.
     ngram       scheduler        the tokens that followed the latest earlier
                                  occurrence of the longest n-gram (n = 4..1)
                                  ending at the sequence's last token
+    suffix      scheduler        the same over n = 8..1, in the sequence and in
+                                 the recent finished sequences of its cache_salt
 
 The rule (``SpeculationPolicy``): each sequence has a running acceptance
 estimate ``alpha`` (the chance a draft is accepted given the ones before it
@@ -34,14 +36,14 @@ nothing.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
 from jitney.scheduler.core.request import Request
 
-SpeculativeMethod = Literal["off", "ngram"]
+SpeculativeMethod = Literal["off", "ngram", "suffix"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 
 NGRAM_MAX = 4     # the longest n-gram looked up
@@ -70,8 +72,9 @@ class NgramIndex:
     lookup of the n-gram ending at the last token finds an earlier occurrence.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_n: int = NGRAM_MAX) -> None:
         self.tokens: list[int] = []
+        self.max_n = max_n
         self._follows: dict[tuple[int, ...], int] = {}
 
     def extend(self, prompt: Sequence[int], output: Sequence[int] = ()) -> None:
@@ -79,7 +82,7 @@ class NgramIndex:
         num_prompt = len(prompt)
         for position in range(len(self.tokens), num_prompt + len(output)):
             self.tokens.append(prompt[position] if position < num_prompt else output[position - num_prompt])
-            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+            for n in range(NGRAM_MIN, self.max_n + 1):
                 if position - n < 0:
                     break
                 # The n-gram ending just before ``position`` is followed by it.
@@ -87,14 +90,19 @@ class NgramIndex:
 
     def propose(self, max_tokens: int) -> list[int]:
         """The tokens that followed the longest n-gram ending at the last token."""
-        tokens, length = self.tokens, len(self.tokens)
+        return self.match(self.tokens, max_tokens)[1]
+
+    def match(self, suffix: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
+        """The longest n-gram ending ``suffix`` found here (n, 0 if none) and up to
+        ``max_tokens`` of what followed its latest occurrence."""
         if max_tokens <= 0:
-            return []
-        for n in range(min(NGRAM_MAX, length), NGRAM_MIN - 1, -1):
-            start = self._follows.get(tuple(tokens[length - n:]))
+            return 0, []
+        length = len(suffix)
+        for n in range(min(self.max_n, length), NGRAM_MIN - 1, -1):
+            start = self._follows.get(tuple(suffix[length - n:]))
             if start is not None:
-                return tokens[start:start + max_tokens]
-        return []
+                return n, self.tokens[start:start + max_tokens]
+        return 0, []
 
 
 class NgramDrafter:
@@ -114,12 +122,111 @@ class NgramDrafter:
         self._indexes.pop(seq_id, None)
 
 
+SUFFIX_MAX = 8            # the longest suffix matched by ``suffix``
+SUFFIX_TOKENS = 8192      # tokens of finished sequences kept per cache_salt
+SUFFIX_SALTS = 16         # cache_salts kept (the least recently finished dropped)
+
+
+class _Recent:
+    """One cache_salt's finished sequences, oldest first, at most ``budget``
+    tokens in all, indexed together: n-gram (n = 1..SUFFIX_MAX) -> (sequence,
+    position after its latest occurrence). A sequence that leaves takes its
+    n-grams with it (those no later one took over)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.num_tokens, self._next = budget, 0, 0
+        self._sequences: OrderedDict[int, list[int]] = OrderedDict()
+        self._follows: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def add(self, tokens: list[int]) -> None:
+        tokens = tokens[-self.budget:]
+        key, self._next = self._next, self._next + 1
+        self._sequences[key] = tokens
+        self.num_tokens += len(tokens)
+        for position in range(1, len(tokens)):
+            for n in range(1, min(SUFFIX_MAX, position) + 1):
+                self._follows[tuple(tokens[position - n:position])] = (key, position)
+        while self.num_tokens > self.budget:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        key, tokens = self._sequences.popitem(last=False)
+        self.num_tokens -= len(tokens)
+        for position in range(1, len(tokens)):
+            for n in range(1, min(SUFFIX_MAX, position) + 1):
+                gram = tuple(tokens[position - n:position])
+                if self._follows.get(gram, (None, 0))[0] == key:
+                    del self._follows[gram]
+
+    def match(self, suffix: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
+        """As ``NgramIndex.match``, over these sequences."""
+        length = len(suffix)
+        for n in range(min(SUFFIX_MAX, length), 0, -1):
+            hit = self._follows.get(tuple(suffix[length - n:]))
+            if hit is not None:
+                key, position = hit
+                return n, self._sequences[key][position:position + max_tokens]
+        return 0, []
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+
+class SuffixDrafter:
+    """Suffix matching over the sequence itself and over the recent finished
+    sequences of the same ``cache_salt`` (agent and code-editing traffic
+    restates earlier answers): the longest match, up to SUFFIX_MAX tokens,
+    of the sequence's last tokens; its own text wins a tie. Bounded: the last
+    SUFFIX_TOKENS tokens of finished sequences for each of the SUFFIX_SALTS
+    salts that finished one most recently; a salt's text is never proposed to
+    another salt. A proposal costs 2 x SUFFIX_MAX lookups."""
+
+    def __init__(self, max_tokens: int = SUFFIX_TOKENS, max_salts: int = SUFFIX_SALTS) -> None:
+        self.max_tokens, self.max_salts = max_tokens, max_salts
+        self._own: dict[int, tuple[str, NgramIndex]] = {}
+        self._recent: OrderedDict[str, _Recent] = OrderedDict()
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        own = self._own.get(request.seq_id)
+        if own is None:
+            own = self._own[request.seq_id] = (request.cache_salt, NgramIndex(SUFFIX_MAX))
+        index = own[1]
+        index.extend(request.prompt_token_ids, request.output_token_ids)
+        best, proposal = index.match(index.tokens, max_tokens)
+        recent = self._recent.get(request.cache_salt)
+        if recent is not None and max_tokens > 0:
+            n, tokens = recent.match(index.tokens, max_tokens)
+            if n > best and tokens:
+                proposal = tokens
+        return proposal
+
+    def forget(self, seq_id: int) -> None:
+        """A finished sequence joins its salt's recent ones."""
+        own = self._own.pop(seq_id, None)
+        if own is None:
+            return
+        salt, index = own
+        recent = self._recent.pop(salt, None) or _Recent(self.max_tokens)
+        recent.add(index.tokens)
+        self._recent[salt] = recent
+        while len(self._recent) > self.max_salts:
+            self._recent.popitem(last=False)
+
+    def kept(self, salt: str) -> tuple[int, int]:
+        """(finished sequences, their tokens) kept for ``salt``."""
+        recent = self._recent.get(salt)
+        return (recent.num_sequences, recent.num_tokens) if recent is not None else (0, 0)
+
+
 def make_drafter(method: SpeculativeMethod) -> Drafter | None:
     """The drafter of ``method`` (None when off)."""
     if method == "off":
         return None
     if method == "ngram":
         return NgramDrafter()
+    if method == "suffix":
+        return SuffixDrafter()
     raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
 
 

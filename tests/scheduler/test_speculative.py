@@ -242,3 +242,34 @@ def test_a_request_cancelled_while_its_drafts_are_verified() -> None:
     assert final.freed_seq_ids == [1]
     worker.execute(wire_plan(final))
     assert not worker.seqs and not worker.holders
+
+
+def test_suffix_drafter_proposes_from_recent_sequences_of_the_same_salt_only() -> None:
+    from jitney.scheduler.core.speculative import SuffixDrafter
+
+    drafter = SuffixDrafter(max_tokens=40)
+    done = make_request(1, [7, 8, 9, 10, 11, 12, 13, 14], max_tokens=4)
+    done.output_token_ids = [15, 16]
+    assert drafter.propose(done, 3) == []          # nothing repeats in itself
+    drafter.forget(1)                              # finished: its text is kept for its salt
+    assert drafter.kept("") == (1, 10)
+    again = make_request(2, [1, 2, 9, 10, 11], max_tokens=4)
+    assert drafter.propose(again, 3) == [12, 13, 14]
+    other = make_request(3, [1, 2, 9, 10, 11], max_tokens=4)
+    other.cache_salt = "tenant-b"
+    assert drafter.propose(other, 3) == []         # another tenant never sees it
+    # Bounded: older sequences leave once the salt's tokens pass the budget.
+    for seq_id in range(10, 16):
+        r = make_request(seq_id, [200 + seq_id] * 3 + [300 + seq_id] * 5, max_tokens=4)
+        drafter.propose(r, 1)
+        drafter.forget(seq_id)
+    sequences, tokens = drafter.kept("")
+    assert tokens <= 40 and sequences < 7
+    assert drafter.propose(make_request(20, [1, 2, 9, 10, 11], max_tokens=4), 3) == []   # seq 1 is gone
+
+
+def test_suffix_speculation_changes_no_token() -> None:
+    off, _ = _run(_config("off"), reqs_off := _requests(6))
+    on, _ = _run(_config("suffix"), reqs_on := _requests(6))
+    assert [r.output_token_ids for r in reqs_on] == [r.output_token_ids for r in reqs_off]
+    assert on.num_accepted_tokens > 0 and on.block_manager.num_used_blocks == 0
