@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             and ns.max_num_batched_tokens < ns.max_num_seqs):
         parser.error(f"--max-num-batched-tokens ({ns.max_num_batched_tokens}) must be at least "
                      f"--max-num-seqs ({ns.max_num_seqs}): every seat must be able to decode in one step")
+    if (ns.command in ("serve", "scheduler") and ns.max_num_batched_tokens is not None
+            and ns.speculative != "off" and ns.num_speculative_tokens >= ns.max_num_batched_tokens):
+        parser.error(f"--num-speculative-tokens ({ns.num_speculative_tokens}) must be below "
+                     f"--max-num-batched-tokens ({ns.max_num_batched_tokens})")
     if ns.command in ("serve", "scheduler") and (problem := _security_problem(ns)):
         print(f"jitney {ns.command}: {problem}", file=sys.stderr, flush=True)
         return 2

@@ -25,7 +25,8 @@ from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
 from jitney.scheduler.security.keys import KeyLimiter
-from jitney.scheduler.core.config import SchedulerConfig, SchedulingPolicy, max_model_len_for
+from jitney.scheduler.core.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig, SchedulingPolicy, max_model_len_for
+from jitney.scheduler.core.speculative import SPECULATIVE_METHODS, SpeculativeMethod
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.engine import Engine
 from jitney.common.model_files import (ModelFiles, ModelNotFoundError, ModelSettingsError, cache_root,
@@ -85,6 +86,8 @@ class SchedulerProcessConfig:
     responses_store_max_age: float = 30 * 24 * 3600.0  # seconds a stored response is kept
     tool_call_parser: str = "auto"       # tool-call format: auto (from the chat template) or a family
     reasoning_parser: str = "auto"       # <think> output split off: auto (from the template), on, off
+    speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix (core/speculative.py)
+    num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -97,7 +100,8 @@ class SchedulerProcessConfig:
                    responses_store=ns.responses_store, responses_store_enabled=not ns.no_responses_store,
                    responses_store_max_mb=ns.responses_store_max_mb,
                    responses_store_max_age=ns.responses_store_max_age,
-                   tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+                   tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                   speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens)
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -126,6 +130,16 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                         help="batching policy")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="turn off prefix caching (sharing the KV blocks of common prompt prefixes)")
+    parser.add_argument("--speculative", choices=SPECULATIVE_METHODS, default="off",
+                        help="speculative decoding: off (default); ngram (drafts looked up in the "
+                             "sequence's own prompt and output) or suffix (also in the recent finished "
+                             "sequences of its cache_salt); drafts are verified inside the batch (the same "
+                             "tokens and logprobs as off) and made only while they pay at the current load")
+    parser.add_argument("--num-speculative-tokens", type=int_in(1, MAX_SPECULATIVE_TOKENS,
+                                                                meaning=f"an integer in 1..{MAX_SPECULATIVE_TOKENS}"),
+                        default=4, metavar="K",
+                        help="the most drafts one sequence verifies in a step (default 4; must be below "
+                             "the step budget)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     add_model_setting_arguments(parser)
@@ -381,6 +395,8 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         sliding_window=ready.sliding_window,
         policy=cfg.policy,
         enable_prefix_caching=cfg.prefix_cache,
+        speculative=cfg.speculative,
+        num_speculative_tokens=cfg.num_speculative_tokens,
     )
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)

@@ -25,13 +25,14 @@ no such label (latency is the server's, and buckets times keys adds up).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 request_log = logging.getLogger("jitney.requests")
@@ -114,17 +115,24 @@ class StateCollector(Collector):
         "jitney:prefix_cache_hits": (
             "Prompt tokens found in the prefix cache.",
             lambda e: getattr(e.scheduler.block_manager, "prefix_cache_hit_tokens", 0)),
+        # Speculative decoding (vLLM's spec_decode_* names): chunks that verified drafts, their drafts, accepted.
+        "jitney:spec_decode_num_drafts": ("Chunks that verified drafts.", lambda e: e.scheduler.num_drafts),
+        "jitney:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda e: e.scheduler.num_draft_tokens),
+        "jitney:spec_decode_num_accepted_tokens": ("Draft tokens accepted.",
+                                                   lambda e: e.scheduler.num_accepted_tokens),
     }
 
     def __init__(self, engine: Callable[[], Any]) -> None:
         self._engine = engine
         self._retired = dict.fromkeys(self._COUNTERS, 0.0)   # of engines no longer serving
+        self._retired_acceptance: list[int] = []   # drafts per accepted length, of those engines
         self.worker_restarts = 0
 
     def retire(self, engine: Any) -> None:
         """Keep the counters of an engine that stops serving (its worker was lost)."""
         for name, (_, read) in self._COUNTERS.items():
             self._retired[name] += read(engine)
+        self._retired_acceptance = _add_counts(self._retired_acceptance, engine.scheduler.acceptance_counts)
 
     def collect(self) -> Iterator[Any]:
         engine = self._engine()
@@ -144,6 +152,24 @@ class StateCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("jitney:worker_restarts", "Workers that replaced a lost one.",
                                   value=self.worker_restarts)
+        yield self._acceptance_histogram(sched)
+
+    def _acceptance_histogram(self, sched: Any) -> HistogramMetricFamily:
+        """Drafts by how many of their tokens were accepted (0..K)."""
+        counts = _add_counts(self._retired_acceptance, sched.acceptance_counts if sched is not None else [])
+        cumulative, buckets = 0, []
+        for length, n in enumerate(counts):
+            cumulative += n
+            buckets.append((str(length), cumulative))
+        buckets.append(("+Inf", cumulative))
+        total = sum(length * n for length, n in enumerate(counts))
+        return HistogramMetricFamily("jitney:spec_decode_acceptance_length",
+                                     "Draft tokens accepted per chunk that verified drafts.",
+                                     buckets=buckets, sum_value=total)
+
+
+def _add_counts(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -362,6 +362,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             worker_restarts=self.metrics.state.worker_restarts,
             grammar_masked_steps=engine.num_masked_steps,
             grammar_mask_seconds=engine.mask_seconds,
+            spec_decode_num_drafts=sched.num_drafts,
+            spec_decode_num_draft_tokens=sched.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sched.num_accepted_tokens,
         )
 
 

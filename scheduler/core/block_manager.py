@@ -188,6 +188,15 @@ class BlockManager:
                 self._release_block(block_id)
         request.block_ids.clear()
 
+    def truncate(self, request: Request, num_blocks: int) -> None:
+        """Cut the table to its first ``num_blocks`` entries, releasing the
+        others tail first (they held only rejected drafts' K/V)."""
+        ids = request.block_ids
+        for block_id in reversed(ids[num_blocks:]):
+            if block_id != self.null_block:
+                self._release_block(block_id)
+        del ids[num_blocks:]
+
     def release_before_window(self, request: Request) -> int:
         """Release the blocks no later query of ``request`` reads (before the
         window of position ``num_computed_tokens``); returns how many.

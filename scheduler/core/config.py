@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from jitney.scheduler.core.speculative import SPECULATIVE_METHODS, SpeculativeMethod
+
 SchedulingPolicy = Literal["continuous", "static", "sequential"]
 POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,17 @@ class SchedulerConfig:
     finished requests' full blocks cached until their space is needed
     (``--no-prefix-cache`` turns it off). See ``block_manager.py``."""
 
+    speculative: SpeculativeMethod = "off"
+    """Speculative decoding (``--speculative``): ``off``, ``ngram`` (prompt
+    lookup in the sequence's own tokens) or ``suffix`` (also in the recent
+    finished sequences of its cache_salt; ``speculative.py``). Drafts are
+    verified inside the step; the output is the same as ``off``."""
+
+    num_speculative_tokens: int = 4
+    """The most drafts one sequence verifies in a step
+    (``--num-speculative-tokens``, 1..64); the load-adaptive rule drafts fewer,
+    or none."""
+
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
@@ -70,6 +84,14 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS or (
+                self.speculative != "off" and k >= self.max_num_batched_tokens):
+            raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS} and "
+                             f"below max_num_batched_tokens ({self.max_num_batched_tokens}), got {k!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

@@ -138,6 +138,7 @@ class Engine:
         self.num_preemptions = 0
         self.num_masked_steps = 0      # steps that sampled under grammar masks
         self.mask_seconds = 0.0        # time filling those masks
+        self._result_at: float | None = None   # when the latest result came in (speculation's overhead)
         # Called after each step with (worker seconds, sequences scheduled): metrics.
         self.on_step: Callable[[float, int], None] | None = None
 
@@ -168,6 +169,8 @@ class Engine:
             parent = parent or req
             detok = IncrementalDetokenizer(self._tokenizer, prompt, validated.sampling.stop)
             matcher = validated.grammar.new_matcher() if validated.grammar is not None else None
+            # Drafts are not verified under a grammar: its masks would have to follow each draft.
+            req.may_draft = matcher is None
             samples.append(Sample(index, req, detok, matcher))
         handle = RequestHandle(validated.request_id, samples)
         for sample in samples:
@@ -222,12 +225,13 @@ class Engine:
         """
         in_flight: deque[tuple[SchedulerOutput, float, list[int]]] = deque()
         while not self._closed:
-            if len(in_flight) < self.pipeline_depth:
+            if len(in_flight) < self._depth(in_flight):
                 output = self.scheduler.schedule()
                 if not output.is_empty:
                     started = self._tracer.now() if self._tracer else 0.0
                     plan = to_step_plan(output, self._eos_token_ids, self._is_masked)
                     await self._link.send_plan(plan)
+                    self._note_plan_sent(in_flight)
                     masked = [c.seq_id for c in plan.chunks if c.masked]
                     in_flight.append((output, started, masked))
                     if len(in_flight) == 1:
@@ -241,6 +245,7 @@ class Engine:
                     await self._recover(output, [o for o, _, _ in in_flight], str(exc))
                     in_flight.clear()
                     continue
+                self._result_at = time.perf_counter()
                 self._apply(output, result, started)
                 if in_flight:   # its masks needed this step's tokens: now they are in
                     await self._send_masks(in_flight[0][0].step_id, in_flight[0][2])
@@ -249,6 +254,26 @@ class Engine:
                 log.error("requests are waiting but none can be scheduled")
             self._wakeup.clear()
             await self._wakeup.wait()
+
+    def _depth(self, in_flight: deque[tuple[SchedulerOutput, float, list[int]]]) -> int:
+        """Plans in flight allowed now: one while a step verifies drafts (how
+        far its sequences got is known only from its result) or when the
+        scheduler would draft once the steps in flight are in (drafts need
+        every token known), else ``pipeline_depth``."""
+        if self.scheduler.speculation is None or not in_flight:
+            return self.pipeline_depth
+        if any(c.num_draft_tokens for o, _, _ in in_flight for c in o.scheduled):
+            return 1
+        return 1 if self.scheduler.wants_to_draft() else self.pipeline_depth
+
+    def _note_plan_sent(self, in_flight: deque[tuple[SchedulerOutput, float, list[int]]]) -> None:
+        """With nothing else in flight, the worker idled from the last result
+        to this plan: the pipelining a drafted step gives up (the rule's overhead)."""
+        policy = self.scheduler.speculation
+        if policy is not None and self._result_at is not None and len(in_flight) == 1:
+            gap = time.perf_counter() - self._result_at
+            policy.overhead_seconds = 0.9 * policy.overhead_seconds + 0.1 * gap
+        self._result_at = None
 
     async def _recover(self, failed: SchedulerOutput, later: list[SchedulerOutput], message: str) -> None:
         """The worker failed step ``failed``: its requests end with INTERNAL.
@@ -272,8 +297,10 @@ class Engine:
     def _apply(self, output: SchedulerOutput, result: engine_pb2.StepResult, started: float) -> None:
         """Hand a step's sampled tokens to the scheduler and the streams."""
         if self._tracer:
+            samples = sum(c.sample for c in output.scheduled)
             self._tracer.record(output, started, result.worker_seconds, result.model_seconds,
-                                self.scheduler)
+                                self.scheduler, accepted_tokens=max(0, len(result.seq_ids) - samples))
+        self.scheduler.observe_step_time(output, result.model_seconds)
         self.num_steps += 1
         self.num_preemptions += len(output.preempted)
         if self.on_step is not None:
@@ -291,15 +318,17 @@ class Engine:
             self._emit_guarded(req, top.get(req.seq_id, []))
 
     def _split_top_logprobs(self, output: SchedulerOutput, result: engine_pb2.StepResult
-                            ) -> dict[int, list[tuple[int, float]]]:
-        """The result's flat top-logprobs arrays, per sampled sequence."""
-        top: dict[int, list[tuple[int, float]]] = {}
+                            ) -> dict[int, list[list[tuple[int, float]]]]:
+        """The result's flat top-logprobs arrays, per sampled sequence and token
+        (a chunk with drafts has an entry per token it yielded)."""
+        wanted = {c.request.seq_id: c.request.sampling.top_logprobs for c in output.scheduled if c.sample}
+        top: dict[int, list[list[tuple[int, float]]]] = {}
         offset = 0
-        for chunk in output.scheduled:
-            n = chunk.request.sampling.top_logprobs
-            if chunk.sample and n:
+        for seq_id in result.seq_ids:
+            n = wanted.get(seq_id, 0)
+            if n:
                 ids = result.top_token_ids[offset:offset + n]
-                top[chunk.request.seq_id] = list(zip(ids, result.top_logprobs[offset:offset + n]))
+                top.setdefault(seq_id, []).append(list(zip(ids, result.top_logprobs[offset:offset + n])))
                 offset += n
         if offset != len(result.top_token_ids) or offset != len(result.top_logprobs):
             raise ValueError(f"{len(result.top_token_ids)} top logprobs for {offset} expected")
@@ -350,7 +379,7 @@ class Engine:
         await self._link.send_masks(engine_pb2.StepMasks(
             step_id=step_id, seq_ids=seq_ids, bitmask=bitmask.astype("<i4", copy=False).tobytes()))
 
-    def _emit_guarded(self, req: Request, top: list[tuple[int, float]]) -> None:
+    def _emit_guarded(self, req: Request, top: list[list[tuple[int, float]]]) -> None:
         """``_emit``, but a failure ends that one request (INTERNAL), not the loop."""
         try:
             self._emit(req, top)
@@ -371,25 +400,42 @@ class Engine:
         self._wakeup.set()
 
     # -- internals ---------------------------------------------------------
-    def _emit(self, req: Request, top: list[tuple[int, float]]) -> None:
+    def _emit(self, req: Request, top: list[list[tuple[int, float]]]) -> None:
+        """The tokens the latest step gave ``req`` (1, or more with accepted
+        drafts) to its stream, one at a time through the grammar and the stop
+        strings, as they would have come one step each: a stop string that
+        completes at a token ends the request there, and the tokens after it
+        are dropped (from the request's output too)."""
         handle = self._handles.get(req.seq_id)
         if handle is None or handle.done:
             return
         sample = handle.samples[req.sample_index]
-        token = req.output_token_ids[-1]
-        if sample.matcher is not None and not req.is_finished:
-            self._advance_grammar(sample, token)
-        # Before min_tokens, stop strings are not matched (as stop ids are banned).
-        update = sample.detokenizer.push([token], match_stop=req.num_output_tokens > req.sampling.min_tokens)
-        text = update.text
-        if update.stopped and not req.is_finished:
-            self.scheduler.finish_request(req.seq_id, FinishReason.STOP_SEQUENCE)
-        elif req.is_finished:
+        count = req.last_step_tokens
+        first = req.num_output_tokens - count
+        text, emitted = "", 0
+        for i in range(count):
+            token = req.output_token_ids[first + i]
+            emitted += 1
+            if sample.matcher is not None and not (req.is_finished and i == count - 1):
+                self._advance_grammar(sample, token)
+            # Before min_tokens, stop strings are not matched (as stop ids are banned).
+            update = sample.detokenizer.push([token], match_stop=first + i + 1 > req.sampling.min_tokens)
+            text += update.text
+            if update.stopped:
+                if not req.is_finished:
+                    self.scheduler.finish_request(req.seq_id, FinishReason.STOP_SEQUENCE)
+                req.finish_reason = FinishReason.STOP_SEQUENCE
+                break
+        if emitted < count:   # a stop string ended it inside the step's tokens
+            del req.output_token_ids[first + emitted:]
+            del req.output_logprobs[first + emitted:]
+        if req.is_finished and req.finish_reason is not FinishReason.STOP_SEQUENCE:
             text += sample.detokenizer.flush()
             if sample.detokenizer.stopped:   # the last characters completed a stop string
                 req.finish_reason = FinishReason.STOP_SEQUENCE
-        event = StreamEvent(token_ids=[token], logprobs=[req.output_logprobs[-1]], text=text,
-                            sample_index=sample.index, top_logprobs=[top] if top else [])
+        event = StreamEvent(token_ids=req.output_token_ids[first:first + emitted],
+                            logprobs=req.output_logprobs[first:first + emitted], text=text,
+                            sample_index=sample.index, top_logprobs=top[:emitted] if top else [])
         if req.sampling.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
             event.prompt_logprobs = self._prompt_logprobs(handle)
             handle.prompt_logprobs_sent = True

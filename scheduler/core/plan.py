@@ -92,4 +92,5 @@ def _chunk(chunk: ScheduledChunk, masked: Callable[[Request], bool] | None) -> e
         sample=chunk.sample,
         last_token_from_sample=chunk.last_token_from_sample,
         masked=chunk.sample and masked is not None and masked(chunk.request),
+        num_draft_tokens=chunk.num_draft_tokens,
     )

@@ -84,6 +84,12 @@ class Request:
     # prompt_logprobs were asked for and are all in: later passes (after a
     # preemption) neither compute them again nor skip the prefix cache.
     prompt_logprobs_done: bool = False
+    # Speculative decoding: whether drafts may be verified for it (not under a
+    # grammar), the drafts of its chunk still out on the worker, and how many
+    # tokens the latest applied step gave it (1, or 1 + drafts accepted).
+    may_draft: bool = True
+    num_draft_tokens: int = 0
+    last_step_tokens: int = 0
 
     @property
     def penalised(self) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
+from jitney.scheduler.core.speculative import DraftCandidate, Drafter, SpeculationPolicy, make_drafter
 
 
 @dataclass
@@ -50,6 +51,9 @@ class ScheduledChunk:
     # Its last token is still being sampled by the step before (not in
     # token_ids): the worker fills it in.
     last_token_from_sample: bool = False
+    # Speculative decoding: the last this many of token_ids are drafts to
+    # verify (the chunk yields 1 + those accepted).
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -80,7 +84,10 @@ class Scheduler:
     """Continuous-batching scheduler owning the logical KV cache."""
 
     def __init__(self, config: SchedulerConfig,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), *,
+                 drafter: Drafter | None = None, speculation: SpeculationPolicy | None = None) -> None:
+        """``drafter`` and ``speculation`` replace the drafter and the rule of
+        ``config.speculative`` (which must not be off): tests force drafts so."""
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
                                           config.enable_prefix_caching, window=config.sliding_window)
@@ -94,6 +101,16 @@ class Scheduler:
         self._step_id = 0
         self._batch_left = 0    # static/sequential: batch members yet to board
         self._reset_worker = False   # the next plan resets the worker (after a failed step)
+        # Speculative decoding (speculative.py): the drafter, the load-adaptive
+        # rule, and totals for metrics (drafts = chunks that verified drafts;
+        # acceptance_counts[i] = drafts with i tokens accepted).
+        if (drafter is not None or speculation is not None) and config.speculative == "off":
+            raise ValueError("a drafter or a speculation policy needs config.speculative on")
+        self._drafter = drafter or make_drafter(config.speculative)
+        self.speculation = speculation or (SpeculationPolicy(config.num_speculative_tokens)
+                                           if self._drafter is not None else None)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.acceptance_counts = [0] * (config.num_speculative_tokens + 1)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -148,6 +165,8 @@ class Scheduler:
         self._schedule_running(output)
         if not output.preempted:   # boarding now would only thrash
             self._admit_waiting(output)
+        if self._drafter is not None:
+            self._add_drafts(output)
         output.freed_seq_ids, self._pending_freed = self._pending_freed, []
         for chunk in output.scheduled:
             self.block_manager.cache_full_blocks(chunk.request, chunk.start_position)
@@ -200,6 +219,8 @@ class Scheduler:
 
     def _num_schedulable(self, request: Request) -> int:
         """Tokens ``request`` can compute now; none once its pending samples end it."""
+        if request.num_draft_tokens:
+            return 0    # how far it got is known only from that chunk's result
         pending = request.num_pending_samples
         if pending and (request.num_output_tokens + pending >= request.sampling.max_tokens
                         or request.num_tokens + pending >= self.config.max_model_len):
@@ -280,6 +301,98 @@ class Scheduler:
         request.num_pending_samples += sample
         output.num_batched_tokens += num_new
 
+    # -- speculative decoding ------------------------------------------------
+    def _draft_cap(self, chunk: ScheduledChunk) -> int:
+        """Drafts this step's ``chunk`` may verify: never past max_tokens nor
+        the context (it yields up to 1 + drafts tokens); 0 unless it is the
+        decode of a request whose every token is known (its only pending
+        sample is this chunk's), not under a grammar."""
+        request = chunk.request
+        if (not request.may_draft or not chunk.sample or chunk.num_new_tokens != 1
+                or chunk.last_token_from_sample or request.num_pending_samples != 1
+                or not request.num_output_tokens or chunk.start_position != request.num_tokens - 1):
+            return 0
+        return max(0, min(self.config.num_speculative_tokens,
+                          request.sampling.max_tokens - request.num_output_tokens - 1,
+                          self.config.max_model_len - request.num_tokens - 1))
+
+    def _add_drafts(self, output: SchedulerOutput) -> None:
+        """Extend this step's decodes with drafts, as the rule allows, from
+        the budget the step left (drafts never preempt nor stop a boarding)."""
+        budget = self._budget_left(output)
+        assert self._drafter is not None and self.speculation is not None
+        if budget <= 0:
+            return
+        candidates, chunks = [], {}
+        num_sampled = sum(c.sample for c in output.scheduled)
+        for chunk in output.scheduled:
+            request, cap = chunk.request, self._draft_cap(chunk)
+            if cap and not self.speculation.worth_drafting(request.seq_id, output.num_batched_tokens, num_sampled):
+                cap = 0     # not even one draft would pay: no proposal asked for
+            proposal = self._drafter.propose(request, cap) if cap else []
+            if proposal:
+                candidates.append(DraftCandidate(request.seq_id, proposal))
+                chunks[request.seq_id] = chunk
+        if not candidates:
+            return
+        lengths = self.speculation.draft_lengths(candidates, output.num_batched_tokens, num_sampled, budget)
+        for candidate in candidates:
+            k = lengths.get(candidate.seq_id, 0)
+            if k:
+                self._extend_with_drafts(chunks[candidate.seq_id], candidate.proposal[:k], output)
+
+    def _extend_with_drafts(self, chunk: ScheduledChunk, drafts: list[int], output: SchedulerOutput) -> None:
+        request, k = chunk.request, len(drafts)
+        if not self.block_manager.can_allocate(self.block_manager.blocks_needed(request, k)):
+            return
+        table_len = len(request.block_ids)
+        self.block_manager.allocate_for(request, k)
+        chunk.new_block_ids = chunk.new_block_ids + request.block_ids[table_len:]
+        chunk.token_ids = chunk.token_ids + drafts
+        chunk.num_new_tokens += k
+        chunk.num_draft_tokens = k
+        request.num_computed_tokens += k
+        request.num_draft_tokens = k
+        output.num_batched_tokens += k
+
+    def wants_to_draft(self) -> bool:
+        """Whether a running request would likely verify drafts in a step
+        planned once the steps in flight are in (the engine then waits for
+        them: drafts need every token known). Judged on the tokens known now."""
+        if self._drafter is None or self.speculation is None:
+            return False
+        n = len(self._running)
+        for request in self._running:
+            if (request.may_draft and request.num_output_tokens and not request.num_draft_tokens
+                    and request.sampling.max_tokens - request.num_output_tokens - request.num_pending_samples > 1
+                    and self.speculation.worth_drafting(request.seq_id, n, n)
+                    and self._drafter.propose(request, 1)):
+                return True
+        return False
+
+    def observe_step_time(self, output: SchedulerOutput, model_seconds: float) -> None:
+        """A step's measured model time, for the rule's cost model."""
+        if self.speculation is not None:
+            self.speculation.cost.observe(output.num_batched_tokens, model_seconds)
+
+    def _verified(self, chunk: ScheduledChunk, accepted: int) -> None:
+        """Count a verified chunk and roll the request back to what was accepted:
+        the table keeps the blocks positions up to the accepted end need (the
+        worker cuts its own the same way)."""
+        request, drafted = chunk.request, chunk.num_draft_tokens
+        request.num_draft_tokens = 0
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.acceptance_counts[min(accepted, len(self.acceptance_counts) - 1)] += 1
+        if self.speculation is not None:
+            self.speculation.observe(request.seq_id, drafted, accepted)
+        if request.is_finished:
+            return
+        end = chunk.start_position + chunk.num_new_tokens - drafted + accepted
+        request.num_computed_tokens = end
+        self.block_manager.truncate(request, cdiv(end, self.config.block_size))
+
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         self._unschedule(victim, output)
         self._requeue(victim)
@@ -306,6 +419,8 @@ class Scheduler:
         for output in lost:
             for chunk in output.scheduled:
                 chunk.request.num_pending_samples -= chunk.sample
+                if chunk.num_draft_tokens:
+                    chunk.request.num_draft_tokens = 0
         preempted = len(self._running)
         for request in list(self._running):
             self._requeue(request)
@@ -322,6 +437,7 @@ class Scheduler:
             output.scheduled.remove(chunk)
             output.num_batched_tokens -= chunk.num_new_tokens
             request.num_pending_samples -= chunk.sample
+            request.num_draft_tokens = 0
         if request in output.new_seqs:     # the worker never heard of it
             output.new_seqs.remove(request)
             self._on_worker.discard(request.seq_id)
@@ -331,24 +447,35 @@ class Scheduler:
                            logprobs: Sequence[float]) -> list[Request]:
         """Apply a step's sampled tokens; finish the requests that are done.
 
-        ``seq_ids`` must list the sampling chunks of ``output`` in order.
-        Returns the requests that got a token (finished or not), in order;
-        requests finished meanwhile (aborted, stop string) are skipped.
+        ``seq_ids`` lists one entry per token: one for each sampling chunk of
+        ``output``, in order, a chunk with drafts 1 + (drafts accepted)
+        consecutive ones. Returns the requests that got tokens (finished or
+        not; ``last_step_tokens`` says how many), in order; requests finished
+        meanwhile (aborted, stop string) are skipped. A token that ends a
+        request (EOS, a stop id, max_tokens) drops the ones after it.
         """
-        sampled = [c.request for c in output.scheduled if c.sample]
-        if ([r.seq_id for r in sampled] != list(seq_ids)
-                or len(token_ids) != len(sampled) or len(logprobs) != len(sampled)):
+        runs = _result_runs(output, seq_ids)
+        if len(token_ids) != len(seq_ids) or len(logprobs) != len(seq_ids):
             raise ValueError(f"step {output.step_id}: result does not match the plan")
         updated: list[Request] = []
-        for request, token_id, logprob in zip(sampled, token_ids, logprobs):
+        for chunk, begin, end in runs:
+            request = chunk.request
             request.num_pending_samples -= 1
+            if chunk.num_draft_tokens:
+                self._verified(chunk, end - begin - 1)
             if request.is_finished:
-                continue    # finished a step late: this extra token is dropped
-            request.output_token_ids.append(token_id)
-            request.output_logprobs.append(logprob)
-            reason = self._finish_reason(request, token_id)
-            if reason is not None:
-                self._finish(request, reason)
+                continue    # finished a step late: these extra tokens are dropped
+            request.last_step_tokens = 0
+            for token_id, logprob in zip(token_ids[begin:end], logprobs[begin:end]):
+                request.output_token_ids.append(token_id)
+                request.output_logprobs.append(logprob)
+                request.last_step_tokens += 1
+                reason = self._finish_reason(request, token_id)
+                if reason is not None:
+                    self._finish(request, reason)
+                    break
+            if chunk.num_draft_tokens and not request.is_finished:   # the accepted drafts' full blocks
+                self.block_manager.cache_full_blocks(request, chunk.start_position + 1)
             updated.append(request)
         return updated
 
@@ -375,6 +502,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.seq_id]
+        if self._drafter is not None and self.speculation is not None:
+            self._drafter.forget(request.seq_id)
+            self.speculation.forget(request.seq_id)
 
     def _release(self, request: Request) -> None:
         """Free the blocks now; tell the worker in the next plan."""
@@ -405,6 +535,25 @@ class Scheduler:
         _check(all(self.block_manager.ref_count(b) == n for b, n in refs.items())
                and len(refs) == self.block_manager.num_used_blocks,
                "ref counts do not match the block tables")
+
+
+def _result_runs(output: SchedulerOutput, seq_ids: Sequence[int]) -> list[tuple[ScheduledChunk, int, int]]:
+    """Each sampling chunk of ``output`` with its entries ``[begin, end)`` of a
+    result's per-token ``seq_ids``; ``ValueError`` when they do not fit the plan."""
+    runs, at, n = [], 0, len(seq_ids)
+    for chunk in output.scheduled:
+        if not chunk.sample:
+            continue
+        sid, end = chunk.request.seq_id, at
+        while end < n and seq_ids[end] == sid and end - at <= chunk.num_draft_tokens:
+            end += 1
+        if end == at:
+            raise ValueError(f"step {output.step_id}: result does not match the plan")
+        runs.append((chunk, at, end))
+        at = end
+    if at != n:
+        raise ValueError(f"step {output.step_id}: result does not match the plan")
+    return runs
 
 
 def _num_remaining(request: Request) -> int:

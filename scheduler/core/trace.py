@@ -9,7 +9,10 @@ Fields of a line:
     model_s         of which the model itself (forward + logits)
     seats           seq ids in the batch, in plan order
     prefill_tokens  tokens of chunks with more than one token, or not at the end (prompt work)
-    decode_tokens   tokens of one-token chunks that sample (generation work)
+    decode_tokens   tokens of one-token chunks that sample, and of chunks verifying
+                    drafts (generation work)
+    draft_tokens    of which drafts verified (speculative decoding)
+    accepted_tokens drafts the step accepted
     samples         chunks that sample a token (rows the head computes)
     context_tokens  keys the step's attention reads at the least: each chunk's
                     sequence up to the chunk's end (start + new tokens), summed
@@ -46,8 +49,9 @@ class StepTracer:
         return time.perf_counter() - self._t0
 
     def record(self, output: SchedulerOutput, started: float, worker_s: float, model_s: float,
-               scheduler: Scheduler) -> None:
-        decode = sum(1 for c in output.scheduled if c.num_new_tokens == 1 and c.sample)
+               scheduler: Scheduler, accepted_tokens: int = 0) -> None:
+        decode = sum(c.num_new_tokens for c in output.scheduled
+                     if c.sample and (c.num_new_tokens == 1 or c.num_draft_tokens))
         chunks = [(c.start_position, c.num_new_tokens) for c in output.scheduled]
         line: dict[str, Any] = {
             "step": output.step_id,
@@ -58,6 +62,8 @@ class StepTracer:
             "seats": [c.request.seq_id for c in output.scheduled],
             "prefill_tokens": output.num_batched_tokens - decode,
             "decode_tokens": decode,
+            "draft_tokens": sum(c.num_draft_tokens for c in output.scheduled),
+            "accepted_tokens": accepted_tokens,
             "samples": sum(1 for c in output.scheduled if c.sample),
             "context_tokens": sum(start + n for start, n in chunks),
             "attended_keys": sum(n * start + n * (n + 1) // 2 for start, n in chunks),

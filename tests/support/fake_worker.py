@@ -34,14 +34,18 @@ different output tokens.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+
+import numpy as np
 
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.plan import to_step_plan
 from jitney.scheduler.core.request import Request, SamplingOptions
 from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
-from jitney.worker.runner.plan_checks import (PlanError, PlanLimits, SequenceState, apply_plan_diffs,
-                                chunk_tokens, validate_plan)
+
+from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, accept_drafts, apply_plan_diffs,
+                                chunk_rows, chunk_tokens, validate_plan)
 
 __all__ = ["VOCAB", "FakeWorker", "PlanError", "expected_token", "reference_output", "make_request",
            "check_step_limits", "wire_plan", "drive_step", "run_until_idle", "run_pipelined"]
@@ -73,7 +77,7 @@ class FakeWorker:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, limits: PlanLimits | None = None,
-                 window: int = 0) -> None:
+                 window: int = 0, model: Callable[[list[int]], int] | None = None) -> None:
         if limits is None:
             limits = PlanLimits(num_blocks=num_blocks, block_size=block_size,
                                 context_length=num_blocks * block_size, vocab_size=VOCAB,
@@ -88,16 +92,21 @@ class FakeWorker:
         self.seqs: dict[int, SequenceState] = {}  # the real worker's per-sequence state
         self.num_computed: dict[int, int] = {}    # seq_id -> positions written (absent: none yet)
         self.last_step_id = 0
+        # The next token after a history (read back through the table); speculative
+        # tests pass a model that repeats itself, so that drafts are accepted.
+        self.model = model if model is not None else (lambda history: expected_token(history, window))
+        self.num_accepted = 0      # drafts accepted, over every verified chunk
 
     @classmethod
-    def for_config(cls, config: SchedulerConfig, vocab_size: int = VOCAB) -> FakeWorker:
+    def for_config(cls, config: SchedulerConfig, vocab_size: int = VOCAB,
+                   model: Callable[[list[int]], int] | None = None) -> FakeWorker:
         """A worker with the limits a real one serving ``config`` has (its
         context length is taken to be the scheduler's ``max_model_len``)."""
         return cls(config.num_blocks, config.block_size, limits=PlanLimits(
             num_blocks=config.num_blocks, block_size=config.block_size,
             context_length=config.max_model_len, vocab_size=vocab_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs), window=config.sliding_window)
+            max_num_seqs=config.max_num_seqs), window=config.sliding_window, model=model)
 
     def execute(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
         """Run one plan; return one token per sampling chunk, in order.
@@ -120,13 +129,31 @@ class FakeWorker:
         for chunk in plan.chunks:
             self._hold(chunk)
         result = engine_pb2.StepResult(step_id=plan.step_id)
-        for chunk in plan.chunks:
-            token = self._run_chunk(chunk)
-            if token is not None:
+        for chunk, row in zip(plan.chunks, chunk_rows(plan)):
+            if row.num_drafts:
+                tokens = self._verify_chunk(chunk, row.num_drafts)
+            else:
+                token = self._run_chunk(chunk)
+                tokens = [] if token is None else [token]
+            for token in tokens:
                 result.seq_ids.append(chunk.seq_id)
                 result.token_ids.append(token)
                 result.logprobs.append(-float(token) / VOCAB)
+            if row.num_drafts:
+                self._accept(row, len(tokens) - 1)
         return result
+
+    def _accept(self, row: ChunkRow, accepted: int) -> None:
+        """A verified chunk: the real rule (``accept_drafts``) on the state; the
+        cut blocks are held no longer, the positions past the accepted ones
+        count as unwritten."""
+        seq = self.seqs[row.seq_id]
+        for block_id in accept_drafts(seq, row, accepted, self.block_size):
+            self.holders[block_id].discard(row.seq_id)
+            if not self.holders[block_id]:
+                del self.holders[block_id]
+        self.num_computed[row.seq_id] = seq.num_computed
+        self.num_accepted += accepted
 
     def _release(self, seq_id: int) -> None:
         """Drop a freed sequence's hold on its blocks (before the diffs forget it)."""
@@ -162,6 +189,31 @@ class FakeWorker:
 
     def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
         seq = self.seqs[chunk.seq_id]
+        self._compute(chunk)
+        if not chunk.sample:
+            return None
+        seq.last_sampled = self.model(self._read(chunk.seq_id))
+        return seq.last_sampled
+
+    def _verify_chunk(self, chunk: engine_pb2.ScheduledChunk, num_drafts: int) -> list[int]:
+        """Compute a chunk with drafts; the choices at its last ``num_drafts`` + 1
+        positions up to the first that differs from its draft."""
+        seq = self.seqs[chunk.seq_id]
+        tokens = self._compute(chunk)
+        history = self._read(chunk.seq_id, num_drafts)
+        drafts = list(tokens[len(tokens) - num_drafts:])
+        base = len(history) - num_drafts
+        chosen: list[int] = []
+        for j in range(num_drafts + 1):
+            chosen.append(self.model(history[:base + j]))
+            if j == num_drafts or chosen[-1] != drafts[j]:
+                break
+        seq.last_sampled = chosen[-1]
+        return chosen
+
+    def _compute(self, chunk: engine_pb2.ScheduledChunk) -> np.ndarray | list[int]:
+        """Write the chunk's tokens through the table; returns them."""
+        seq = self.seqs[chunk.seq_id]
         tokens = chunk_tokens(chunk, seq)
         computed = self.num_computed.get(chunk.seq_id)
         if computed is None:     # first chunk: may start after a cached prefix
@@ -176,10 +228,7 @@ class FakeWorker:
         self.num_computed[chunk.seq_id] = computed
         _require(len(seq.block_table) == -(-computed // self.block_size),
                  f"seq {chunk.seq_id}: table of {len(seq.block_table)} blocks for {computed} positions")
-        if not chunk.sample:
-            return None
-        seq.last_sampled = expected_token(self._read(chunk.seq_id), self.window)
-        return seq.last_sampled
+        return tokens
 
     def _write(self, seq_id: int, position: int, token: int) -> None:
         table = self.seqs[seq_id].block_table
@@ -191,10 +240,12 @@ class FakeWorker:
                  f"held by seqs {sorted(self.holders[block_id])}")
         self.cache[block_id][position % self.block_size] = token
 
-    def _read(self, seq_id: int) -> list[int]:
+    def _read(self, seq_id: int, num_drafts: int = 0) -> list[int]:
+        """The sequence's computed tokens through its table (zeros before the
+        window of its first query: with drafts, the chunk's last non-draft token)."""
         table = self.seqs[seq_id].block_table
         computed = self.num_computed[seq_id]
-        first = max(0, computed - self.window) if self.window else 0
+        first = max(0, computed - num_drafts - self.window) if self.window else 0
         history: list[int] = [0] * first     # never read: outside the window
         for position in range(first, computed):
             _require(self.holders.get(table[position // self.block_size]) is not None

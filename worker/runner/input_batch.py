@@ -22,10 +22,11 @@ Two kinds of buffers, each a host tensor (pinned on CUDA) with a device twin
     # query_start_loc  B + 1   cumulative query counts
     # seq_lens         B       context length including the new tokens; 0 = padding
     # seq_rows         B       persistent row of each sequence
-    # sample_tokens    B       flat token index of each sampled row (plan order)
-    # sample_rows      B       persistent row of each sampled sequence
-    # sample_pos       B       position of the token being sampled
-    # plain, filtered  B, B    sampled rows (0..S) that sample randomly / with top-k/p
+    # sample_tokens    S       flat token index of each sampled row (plan order)
+    # sample_rows      S       persistent row of each sampled sequence
+    # sample_pos       S       position of the token being sampled
+    # plain, filtered  S, S    sampled rows (0..S) that sample randomly / with top-k/p
+    #                          (S <= T: a chunk verifying d drafts samples d + 1 rows)
     # tile_seq, tile_idx N, N  the attention's tile map for a graph-captured mixed step
     #                          (sequence and index of each tile of query tokens; -1: none)
 """
@@ -51,8 +52,10 @@ REGIONS = ("input_ids", "positions", "token_rows", "query_start_loc", "seq_lens"
 
 def _layout(max_tokens: int, max_seqs: int, max_tiles: int) -> dict[str, tuple[int, int]]:
     """Region -> (offset, capacity) in the staging buffer."""
+    rows = max(max_seqs, max_tokens)   # sampled rows: one per token at most (drafts verified)
     sizes = {"input_ids": max_tokens, "positions": max_tokens, "token_rows": max_tokens,
-             "query_start_loc": max_seqs + 1, "tile_seq": max_tiles, "tile_idx": max_tiles}
+             "query_start_loc": max_seqs + 1, "tile_seq": max_tiles, "tile_idx": max_tiles,
+             "sample_tokens": rows, "sample_rows": rows, "sample_pos": rows, "plain": rows, "filtered": rows}
     layout, offset = {}, 0
     for name in REGIONS:
         size = sizes.get(name, max_seqs)
@@ -85,6 +88,7 @@ class StepChunk(NamedTuple):
     tokens: np.ndarray | list[int]  # the chunk's token ids (int64), a sampled placeholder filled in
     sample: bool
     plan_index: int     # where the plan lists it: results keep the plan's order
+    num_drafts: int = 0  # the last tokens are drafts: it samples at each of the last num_drafts + 1 positions
 
 
 class TokenCounts:
@@ -174,6 +178,10 @@ class StagedStep:
     top_n: np.ndarray
     processed: bool = False
     uses_min_p: bool = False
+    # Speculative decoding, per sampled row (index into the S) that verifies a
+    # draft position: the drafts after its position (not yet in the sequence
+    # there), which the row's penalty counts must not count.
+    unseen_drafts: dict[int, np.ndarray] | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -318,8 +326,19 @@ class InputBatch:
         order = np.fromiter((chunks[i].plan_index for i in sampled.tolist()), dtype=np.int64, count=len(sampled))
         if len(order) > 1 and (np.diff(order) < 0).any():
             sampled = sampled[np.argsort(order, kind="stable")]
-        sampled_rows, positions = rows[sampled], seq_lens[sampled]
-        sample_tokens = qsl[1:][sampled] - 1
+        drafts = np.fromiter((c.num_drafts for c in chunks), dtype=np.int64, count=n)
+        unseen = None
+        if drafts[sampled].any():   # a chunk verifying d drafts samples at its last d + 1 positions
+            counts = drafts[sampled] + 1
+            sampled = np.repeat(sampled, counts)
+            back = np.repeat(drafts[sampled[np.cumsum(counts) - 1]], counts) - (
+                np.arange(len(sampled)) - np.repeat(np.cumsum(counts) - counts, counts))
+            unseen = {i: np.asarray(chunks[c].tokens[len(chunks[c].tokens) - b:], dtype=np.int64)
+                      for i, (c, b) in enumerate(zip(sampled.tolist(), back.tolist())) if b}
+        else:
+            back = np.zeros(len(sampled), dtype=np.int64)
+        sampled_rows, positions = rows[sampled], seq_lens[sampled] - back
+        sample_tokens = qsl[1:][sampled] - 1 - back
         self._fill("sample_tokens", sample_tokens)
         self._fill("sample_rows", sampled_rows)
         self._fill("sample_pos", positions)
@@ -341,7 +360,7 @@ class InputBatch:
             num_tokens, n, padded, tuple(qsl.tolist()), tuple(seq_lens.tolist()), num_decodes,
             [chunks[i].seq_id for i in sampled.tolist()], len(plain), len(filtered),
             sampled_rows=sampled_rows, sample_positions=positions, sample_tokens=sample_tokens, top_n=top_n,
-            processed=processed, uses_min_p=uses_min_p,
+            processed=processed, uses_min_p=uses_min_p, unseen_drafts=unseen,
         )
 
     def _fill_ids(self, chunks: list[StepChunk], num_decodes: int, pad_to: int) -> None:
@@ -478,7 +497,10 @@ class InputBatch:
             kinds = (any(params[i].repetition_penalty != 1.0 for i in pen),
                      any(params[i].presence_penalty != 0.0 for i in pen),
                      any(params[i].frequency_penalty != 0.0 for i in pen))
-            penalties = Penalties(pen_d, counts.output.index_select(0, pen_rows_d),
+            output_counts = counts.output.index_select(0, pen_rows_d)
+            if step.unseen_drafts:   # a draft position counts only the drafts before it
+                _uncount(output_counts, [step.unseen_drafts.get(int(i)) for i in pen], self.device)
+            penalties = Penalties(pen_d, output_counts,
                                   counts.prompt.index_select(0, pen_rows_d), f[3], f[4], f[5], kinds)
         bias = None
         if len(bias_ids):
@@ -490,6 +512,21 @@ class InputBatch:
         return LogitsProcessors(rows_d, (at_plain_d, src_plain_d), (at_filtered_d, src_filtered_d),
                                 penalties=penalties, bias=bias,
                                 ban=(ban_rows_d, ban_ids_d) if len(ban_ids) else None, mask=mask)
+
+    def uncount_rejected(self, seq_id: int, token_ids: np.ndarray) -> None:
+        """A penalised sequence's rejected drafts: counted when its chunk was
+        staged, never part of its output."""
+        row = self.rows[seq_id]
+        if self._penalised[row] and len(token_ids):
+            assert self.counts.output is not None
+            _uncount(self.counts.output[row:row + 1], [token_ids], self.device)
+
+    def truncate_blocks(self, seq_id: int, num_blocks: int) -> None:
+        """The sequence's table keeps its first ``num_blocks`` entries (after
+        verified drafts; the entries past them are never read and are overwritten
+        by the next ``extend_blocks``)."""
+        row = self.rows[seq_id]
+        self._num_blocks[row] = min(int(self._num_blocks[row]), num_blocks)
 
     def _row_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sampled rows (indices into ``rows``) that sample randomly, plain and filtered."""
@@ -519,6 +556,18 @@ class InputBatch:
         block = self.block_table[token_rows.clamp(min=0), positions // self.block_size]
         slots = block.to(torch.int64) * self.block_size + positions % self.block_size
         return slots.masked_fill_(token_rows < 0, -1)
+
+
+def _uncount(counts: torch.Tensor, unseen: Sequence[np.ndarray | None], device: torch.device) -> None:
+    """Take one occurrence of each id of ``unseen[k]`` off row k of ``counts`` (K, V) int32."""
+    parts = [(k, ids) for k, ids in enumerate(unseen) if ids is not None and len(ids)]
+    if not parts:
+        return
+    rows = np.concatenate([np.full(len(ids), k, dtype=np.int64) for k, ids in parts])
+    ids = np.concatenate([ids for _, ids in parts]).astype(np.int64)
+    rows_d, ids_d = _device_ints(device, rows, ids)
+    minus = torch.full(rows_d.shape, -1, dtype=torch.int32, device=device)
+    counts.index_put_((rows_d, ids_d), minus, accumulate=True)
 
 
 def _ints(values: Iterable[int] | np.ndarray) -> np.ndarray:

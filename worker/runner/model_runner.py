@@ -37,7 +37,7 @@ import torch
 
 from jitney.common.model_files import cache_root
 from jitney.engine.v1 import engine_pb2
-from jitney.worker.runner import tuned_configs
+from jitney.worker.runner import speculative, tuned_configs
 from jitney.worker.attention.backend import AttentionMetadata
 from jitney.worker.attention.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
@@ -74,6 +74,7 @@ class _Draw(NamedTuple):
     logprobs: list[float]
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    kept: list[bool] = []     # after ``_verify``: which of the step's sampled rows these are
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,9 @@ class ModelRunner:
         # prompt position of those whose prompt continues in a later chunk.
         self._scoring: set[int] = set()
         self._prompt_carry: dict[int, torch.Tensor] = {}
+        # Chunks verifying drafts whose outcome this rank has not applied yet (ranks > 0
+        # learn it from the tokens rank 0 relays with the next plan: ``note_samples``).
+        self._unverified: dict[int, ChunkRow] = {}
         graph_safe = self.model.backend.graph_safe
         self._timer = _ModelTimer(self.device)
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
@@ -256,10 +260,15 @@ class ModelRunner:
 
     def note_samples(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> None:
         """Ranks > 0: the tokens rank 0 sampled (relayed with the next plan)."""
+        yielded: dict[int, int] = {}
         for seq_id, token in zip(seq_ids, tokens):
             state = self.sequences.get(seq_id)
             if state is not None:
                 state.last_sampled = token
+                yielded[seq_id] = yielded.get(seq_id, 0) + 1
+        for seq_id, count in yielded.items():
+            if (row := self._unverified.pop(seq_id, None)) is not None:
+                speculative.roll_back(self.sequences[seq_id], self.batch, row, count - 1, self.limits.block_size)
 
     def _forget_all(self) -> None:
         """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
@@ -268,6 +277,7 @@ class ModelRunner:
         self.sequences.clear()
         self._scoring.clear()
         self._prompt_carry.clear()
+        self._unverified.clear()
 
     def _apply(self, plan: engine_pb2.StepPlan, new_states: dict[int, SequenceState], rows: list[ChunkRow]) -> None:
         """The plan's diffs (``new_states``: its new sequences' checked states; ``rows``: its
@@ -284,6 +294,7 @@ class ModelRunner:
             self.batch.remove(sid)
             self._scoring.discard(sid)
             self._prompt_carry.pop(sid, None)
+            self._unverified.pop(sid, None)
         for new in plan.new_sequences:
             s = self.sequences[new.seq_id]
             self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
@@ -292,6 +303,8 @@ class ModelRunner:
             if s.params.prompt_logprobs is not None:
                 self._scoring.add(new.seq_id)
         for r in rows:
+            if r.num_drafts:
+                self._unverified[r.seq_id] = r
             if r.num_blocks:
                 self.batch.extend_blocks(r.seq_id, plan.chunks[r.plan_index].new_block_ids)
             if seqs[r.seq_id].params.penalised and r.start != computed[r.seq_id]:
@@ -305,7 +318,8 @@ class ModelRunner:
         seqs = self.sequences
         chunks = [StepChunk(r.seq_id, r.start,
                             [_last_sampled(seqs[r.seq_id])] if not r.num_ids   # (a decode of the sampled token)
-                            else chunk_tokens(plan.chunks[r.plan_index], seqs[r.seq_id]), r.sample, r.plan_index)
+                            else chunk_tokens(plan.chunks[r.plan_index], seqs[r.seq_id]), r.sample, r.plan_index,
+                            r.num_drafts)
                   for r in rows]
         if self.device.type == "cpu":
             chunks.sort(key=_decodes_first)
@@ -338,7 +352,7 @@ class ModelRunner:
             timer.stop()
             # The (2, size) choices come back whole (a few KB): the sampled rows are picked on the host.
             tokens, logprobs = _unpack(greedy.cpu().numpy()[:, step.sample_tokens])
-            self._record(step.sampled_seq_ids, tokens, logprobs, result)
+            self._record(step.sampled_seq_ids, tokens, logprobs, result)   # (a decode graph: no drafts)
         else:
             hidden, logits = self._logits(step, size, bucket, meta)
             timer.stop()
@@ -346,7 +360,12 @@ class ModelRunner:
                 masks = self._read_masks(step, *masking) if masking is not None else None
                 # (Called with two arguments when unmasked: tests wrap ``_sample`` so.)
                 drawn = self._sample(step, logits, masks) if masks is not None else self._sample(step, logits)
-                self._record(step.sampled_seq_ids, drawn.tokens, drawn.logprobs, result)
+                if self._unverified:
+                    drawn = self._verify(step, chunks, drawn)
+                    seq_ids = [sid for sid, keep in zip(step.sampled_seq_ids, drawn.kept) if keep]
+                else:
+                    seq_ids = step.sampled_seq_ids
+                self._record(seq_ids, drawn.tokens, drawn.logprobs, result)
                 result.top_token_ids.extend(drawn.top_ids)
                 result.top_logprobs.extend(drawn.top_logprobs)
             else:   # nothing samples: no other sync
@@ -425,6 +444,15 @@ class ModelRunner:
         return _Draw([int(t) for t in host[:s]], host[s:2 * s].tolist(),
                      [int(t) for i, n in enumerate(counts) for t in top_ids[i, :n]],
                      [float(v) for i, n in enumerate(counts) for v in top_lps[i, :n]])
+
+    def _verify(self, step: StagedStep, chunks: list[StepChunk], drawn: _Draw) -> _Draw:
+        """The verifying chunks' outcome (``speculative``): the kept rows' draw
+        (``kept``: which of the S rows), their sequences rolled back."""
+        kept, accepted = speculative.verify(step, chunks, drawn.tokens)
+        for seq_id, (n, drafts) in accepted.items():
+            speculative.roll_back(self.sequences[seq_id], self.batch, self._unverified.pop(seq_id), n,
+                                  self.limits.block_size, drafts[n:])
+        return _Draw(*speculative.kept_rows(step, kept, *drawn[:4]), kept)
 
     def _record(self, seq_ids: list[int], tokens: list[int], logprobs: list[float],
                 result: engine_pb2.StepResult) -> None:

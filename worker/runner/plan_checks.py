@@ -97,11 +97,25 @@ class ChunkRow(NamedTuple):
     num_blocks: int     # len(new_block_ids)
     sample: bool
     masked: bool
+    num_drafts: int = 0  # num_draft_tokens: the chunk's last ids are drafts to verify
 
 
 def chunk_rows(plan: engine_pb2.StepPlan) -> list[ChunkRow]:
     return [ChunkRow(i, c.seq_id, c.start_position, len(c.token_ids), c.last_token_from_sample,
-                     len(c.new_block_ids), c.sample, c.masked) for i, c in enumerate(plan.chunks)]
+                     len(c.new_block_ids), c.sample, c.masked, c.num_draft_tokens) for i, c in enumerate(plan.chunks)]
+
+
+def accept_drafts(state: SequenceState, row: ChunkRow, accepted: int, block_size: int) -> list[int]:
+    """A verified chunk's outcome on the sequence's state: computed up to the
+    last non-draft token and the ``accepted`` drafts, the block table cut to
+    the blocks those positions need (the scheduler frees the others: their
+    ids are returned). The caller sets ``last_sampled``."""
+    end = row.start + row.num_ids + row.from_sample - row.num_drafts + accepted
+    state.num_computed = end
+    keep = -(-end // block_size)
+    dropped = state.block_table[keep:]
+    del state.block_table[keep:]
+    return dropped
 
 
 def chunk_tokens(chunk: engine_pb2.ScheduledChunk, state: SequenceState) -> np.ndarray | list[int]:
@@ -254,9 +268,11 @@ def _chunks_pass(plan: engine_pb2.StepPlan, rows: list[ChunkRow], table_lens: di
     new_ids = {s.seq_id for s in plan.new_sequences}
     total, seen = 0, set()
     bs, context, max_blocks = limits.block_size, limits.context_length, limits.max_blocks_per_seq
-    for index, sid, start, num_ids, from_sample, num_blocks, sample, masked in rows:
+    for index, sid, start, num_ids, from_sample, num_blocks, sample, masked, num_drafts in rows:
         table_len = table_lens.get(sid)
         if table_len is None or sid in seen or (masked and not sample):
+            return False
+        if num_drafts and (not sample or masked or num_drafts >= num_ids + from_sample):
             return False
         seen.add(sid)
         if from_sample:
@@ -284,6 +300,14 @@ def _check_chunks(plan: engine_pb2.StepPlan, table_lens: dict[int, int], limits:
     for chunk in plan.chunks:
         if chunk.masked and not chunk.sample:
             raise PlanError(f"seq {chunk.seq_id}: a masked chunk must sample")
+        drafts = chunk.num_draft_tokens
+        if drafts and not chunk.sample:
+            raise PlanError(f"seq {chunk.seq_id}: a chunk with drafts must sample")
+        if drafts and chunk.masked:
+            raise PlanError(f"seq {chunk.seq_id}: drafts under a grammar mask are not verified")
+        if drafts and drafts >= len(chunk.token_ids) + chunk.last_token_from_sample:
+            raise PlanError(f"seq {chunk.seq_id}: {drafts} drafts leave no token before them in a chunk of "
+                            f"{len(chunk.token_ids) + chunk.last_token_from_sample}")
         from_sample = chunk.last_token_from_sample
         if from_sample and (chunk.seq_id in new_ids or chunk.seq_id not in seqs
                             or seqs[chunk.seq_id].last_sampled is None):

@@ -61,7 +61,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
-    __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample", "masked")
+    __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample", "masked", "num_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class ScheduledChunk(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     MASKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,7 +77,8 @@ class ScheduledChunk(_message.Message):
     sample: bool
     last_token_from_sample: bool
     masked: bool
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ..., masked: _Optional[bool] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ..., masked: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks", "reset")
