@@ -313,32 +313,28 @@ at::Tensor rope_and_cache_op(const at::Tensor& qkv, const at::Tensor& cos, const
 }
 
 
-at::Tensor gelu_mul_op(const at::Tensor& gate_up) {
+// gate_up (T, 2I) -> (T, I) through `rows` (silu_mul_rows or gelu_mul_rows) in its dtype.
+template <typename Rows>
+static at::Tensor gated_op(const at::Tensor& gate_up, const char* name, Rows rows) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2 * intermediate)");
   at::Tensor x = gate_up.contiguous();
-  const int64_t rows = x.size(0), width = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, width}, x.options());
+  const int64_t n = x.size(0), width = x.size(1) / 2;
+  at::Tensor out = at::empty({n, width}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    gelu_mul_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, width);
+    rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), n, width);
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "gelu_mul runs in bfloat16 or float32");
-    gelu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+    TORCH_CHECK(x.scalar_type() == at::kFloat, name, " runs in bfloat16 or float32");
+    rows(x.data_ptr<float>(), out.data_ptr<float>(), n, width);
   }
   return out;
 }
 
+at::Tensor gelu_mul_op(const at::Tensor& gate_up) {
+  return gated_op(gate_up, "gelu_mul", [](auto* in, auto* out, int64_t n, int64_t w) { gelu_mul_rows(in, out, n, w); });
+}
+
 at::Tensor silu_mul_op(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2 * intermediate)");
-  at::Tensor x = gate_up.contiguous();
-  const int64_t rows = x.size(0), width = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, width}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    silu_mul_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, width);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul runs in bfloat16 or float32");
-    silu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, width);
-  }
-  return out;
+  return gated_op(gate_up, "silu_mul", [](auto* in, auto* out, int64_t n, int64_t w) { silu_mul_rows(in, out, n, w); });
 }
 
 }  // namespace jitney_cpu
