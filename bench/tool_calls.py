@@ -2,7 +2,7 @@
 """Tool calling: what the tool grammar costs.
 
     .venv/bin/python bench/tool_calls.py [compile] [throughput] [--requests 32]
-        [--max-tokens 64] [--target HOST:PORT] [--model PATH] [--json PATH]
+        [--max-tokens 64] [--rounds R] [--target HOST:PORT] [--model PATH] [--json PATH]
 
 compile
     In this process, with the model's tokenizer (``--model``; default the bundled
@@ -20,6 +20,8 @@ throughput
     neither reads the other's prompts from the cache), no tools, ``ignore_eos`` and max_tokens = the
     completion tokens its tool twin produced. Output tokens / wall time for each
     batch; the ratio is the mask and parse overhead (the issue's bar: <= 5% lost).
+    ``--rounds R`` runs R pairs, alternating which kind goes first (a fresh
+    cache namespace each), and reports each round's ratio and their median.
     The scheduler's mask time per masked step (GetServerStats) is reported with
     it. Timings are noisy on a shared machine; the load average is printed.
 """
@@ -126,7 +128,7 @@ def _server(target: str | None) -> Iterator[str]:
             yield srv.target
 
 
-def _params(question: str, max_tokens: int, tools: bool) -> Any:
+def _params(question: str, max_tokens: int, tools: bool, round_: int = 0) -> Any:
     from jitney.v1 import generation_pb2 as pb
     system = system_text(THREE_TOOLS, GENERIC)
     user = pb.ChatMessage(role="user", content=question)
@@ -139,7 +141,7 @@ def _params(question: str, max_tokens: int, tools: bool) -> Any:
         chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="system", content=system), user])
         params = pb.GenerationParams(chat=chat)
     # Each batch its own prefix-cache namespace: the second must not read the first's prompts.
-    params.cache_salt = f"{'tools' if tools else 'plain'}-{RUN}"
+    params.cache_salt = f"{'tools' if tools else 'plain'}-{RUN}-{round_}"
     params.sampling.max_tokens = max_tokens
     params.sampling.temperature = 0.0
     params.sampling.ignore_eos = not tools
@@ -154,8 +156,12 @@ def _batch(stub: Any, params: list[Any]) -> tuple[float, list[Any]]:
         return time.perf_counter() - t, replies
 
 
-def bench_throughput(target: str | None, n: int, max_tokens: int) -> dict[str, Any]:
+def bench_throughput(target: str | None, n: int, max_tokens: int, rounds: int = 1) -> dict[str, Any]:
+    """``rounds`` pairs of batches in the order tool, plain, plain, tool, ... so a
+    drift in the machine's load weighs on both kinds alike; each round's ratio
+    and their median."""
     import grpc
+    from jitney.v1 import generation_pb2 as pb
     from jitney.v1 import generation_pb2_grpc as pb_grpc
 
     with _server(target) as where, grpc.insecure_channel(where) as channel:
@@ -164,26 +170,44 @@ def bench_throughput(target: str | None, n: int, max_tokens: int) -> dict[str, A
         # Warm-up, a tool request included: the server builds its grammar compiler (the
         # tokenizer's index, ~0.5 s) and compiles the tool set at the first one.
         _batch(stub, [_params(q, 8, False) for q in questions[:4]] + [_params(questions[0], 48, True)])
-        from jitney.v1 import generation_pb2 as pb
-        before = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-        tool_s, tool_replies = _batch(stub, [_params(q, max_tokens, True) for q in questions])
-        after = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-        masked_steps = after.grammar_masked_steps - before.grammar_masked_steps
-        mask_s = after.grammar_mask_seconds - before.grammar_mask_seconds
-        lengths = [max(1, r.usage.completion_tokens) for r in tool_replies]
-        plain_s, plain_replies = _batch(stub, [_params(q, k, False) for q, k in zip(questions, lengths)])
-        tool_tokens = sum(r.usage.completion_tokens for r in tool_replies)
-        plain_tokens = sum(r.usage.completion_tokens for r in plain_replies)
-        prompts = (sum(r.usage.prompt_tokens for r in tool_replies), sum(r.usage.prompt_tokens for r in plain_replies))
-        tool_tps, plain_tps = tool_tokens / tool_s, plain_tokens / plain_s
-        valid = sum(1 for r in tool_replies for c in r.tool_calls if isinstance(json.loads(c.arguments), dict))
-        return {"requests": n, "prompt_tokens_tool_vs_plain": prompts,
-                "tool": {"tokens": tool_tokens, "seconds": round(tool_s, 2), "tokens_per_s": round(tool_tps, 1),
-                         "calls_parsed": valid, "steps": after.steps - before.steps,
-                         "masked_steps": masked_steps,
-                         "mask_ms_per_masked_step": round(mask_s / max(masked_steps, 1) * 1e3, 2)},
-                "plain": {"tokens": plain_tokens, "seconds": round(plain_s, 2), "tokens_per_s": round(plain_tps, 1)},
-                "throughput_ratio_tool_over_plain": round(tool_tps / plain_tps, 3)}
+        # The plain twins' lengths: those the tool requests produce (greedy, so every round alike).
+        _, first = _batch(stub, [_params(q, max_tokens, True, -1) for q in questions])
+        lengths = [max(1, r.usage.completion_tokens) for r in first]
+
+        def tool_batch(r: int) -> dict[str, Any]:
+            before = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            seconds, replies = _batch(stub, [_params(q, max_tokens, True, r) for q in questions])
+            after = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            masked = after.grammar_masked_steps - before.grammar_masked_steps
+            tokens = sum(x.usage.completion_tokens for x in replies)
+            valid = sum(1 for x in replies for c in x.tool_calls if isinstance(json.loads(c.arguments), dict))
+            return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                    "calls_parsed": valid, "steps": after.steps - before.steps, "masked_steps": masked,
+                    "mask_ms_per_masked_step": round((after.grammar_mask_seconds - before.grammar_mask_seconds)
+                                                     / max(masked, 1) * 1e3, 2),
+                    "prompt_tokens": sum(x.usage.prompt_tokens for x in replies)}
+
+        def plain_batch(r: int) -> dict[str, Any]:
+            before = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            seconds, replies = _batch(stub, [_params(q, k, False, r) for q, k in zip(questions, lengths)])
+            after = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            tokens = sum(x.usage.completion_tokens for x in replies)
+            return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                    "steps": after.steps - before.steps,
+                    "prompt_tokens": sum(x.usage.prompt_tokens for x in replies)}
+
+        per_round = []
+        for r in range(rounds):
+            if r % 2 == 0:
+                tool, plain = tool_batch(r), plain_batch(r)
+            else:
+                plain, tool = plain_batch(r), tool_batch(r)
+            per_round.append({"tool": tool, "plain": plain,
+                              "ratio": round(tool["tokens_per_s"] / plain["tokens_per_s"], 3)})
+        ratios = [p["ratio"] for p in per_round]
+        return {"requests": n, "rounds": per_round,
+                "throughput_ratio_tool_over_plain": round(statistics.median(ratios), 3),
+                "ratio_min_max": (min(ratios), max(ratios))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("parts", nargs="*", help="compile and/or throughput (default: both)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="pairs of batches, alternating which goes first")
     ap.add_argument("--target", default=None, help="HOST:PORT of a running server with the default model")
     ap.add_argument("--model", default=None, help="tokenizer for the compile part (default: the bundled SmolLM2)")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -203,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         results["compile"] = bench_compile(args.model)
         print(json.dumps({"compile": results["compile"]}, indent=1), flush=True)
     if "throughput" in args.parts:
-        results["throughput"] = bench_throughput(args.target, args.requests, args.max_tokens)
+        results["throughput"] = bench_throughput(args.target, args.requests, args.max_tokens, args.rounds)
         print(json.dumps({"throughput": results["throughput"]}, indent=1), flush=True)
     results["loadavg_after"] = os.getloadavg()
     print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")

@@ -17,10 +17,12 @@ id, the API key's name (with ``--api-key-file``), tokens in/out, time to
 first token, total time, finish reason or error. The prompt text is logged
 only with ``--log-prompts``; a key itself never is.
 
-With API keys (``key_label``) the request counters (success, failure, prompt
-and generation tokens) carry a ``key`` label: the key's name, "" for calls
-without a valid key. Names are bounded by the key file; the histograms have
-no such label (latency is the server's, and buckets times keys adds up).
+The request counters (success, failure, prompt and generation tokens) carry
+a ``door`` label, the API the request came through (DOORS: grpc, openai,
+responses, anthropic), and with API keys (``key_label``) a ``key`` label: the
+key's name, "" for calls without a valid key. Both are bounded (the doors by
+DOORS, the names by the key file); the histograms have neither (latency is
+the server's, and buckets times labels adds up).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 50.0, 60.0, 120.0, 240.0, 480.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DOORS = ("grpc", "openai", "responses", "anthropic")   # the values of the ``door`` label
 
 
 class Metrics:
@@ -51,7 +54,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.key_label = key_label
         r = self.registry
-        key = ["key"] if key_label else []
+        key = ["door", "key"] if key_label else ["door"]
         self.ttft = Histogram("jitney:time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("jitney:inter_token_latency_seconds", "Time between two tokens.",
@@ -83,20 +86,23 @@ class Metrics:
         server listens on is refused, never shared."""
         return start_http_server(port, addr=host, registry=self.registry)
 
-    def labelled(self, counter: Counter, key: str | None, **labels: str) -> Counter:
-        """``counter``'s child for ``labels``, and the key's name when keys are on."""
+    def labelled(self, counter: Counter, key: str | None, door: str, **labels: str) -> Counter:
+        """``counter``'s child for ``labels`` and ``door``, and the key's name when keys are on."""
+        if door not in DOORS:
+            raise ValueError(f"door must be one of {', '.join(DOORS)}, got {door!r}")
+        labels["door"] = door
         if self.key_label:
             labels["key"] = key or ""
-        return counter.labels(**labels) if labels else counter
+        return counter.labels(**labels)
 
-    def failure(self, code: str, key: str | None = None) -> None:
-        self.labelled(self.request_failure, key, code=code).inc()
+    def failure(self, code: str, key: str | None = None, door: str = "grpc") -> None:
+        self.labelled(self.request_failure, key, door, code=code).inc()
 
     def track(self, request_id: str, prompt_tokens: int, prompt: object = None,
-              key: str | None = None) -> "RequestRecord":
-        self.labelled(self.prompt_tokens, key).inc(prompt_tokens)
+              key: str | None = None, door: str = "grpc") -> "RequestRecord":
+        self.labelled(self.prompt_tokens, key, door).inc(prompt_tokens)
         return RequestRecord(self, request_id, prompt_tokens,
-                             prompt if self.log_prompts else None, key)
+                             prompt if self.log_prompts else None, key, door)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         self.step_duration.observe(seconds)
@@ -181,12 +187,13 @@ class RequestRecord:
     ``key``: the name of the caller's API key (None: keys are off)."""
 
     def __init__(self, metrics: Metrics, request_id: str, prompt_tokens: int,
-                 prompt: object, key: str | None = None) -> None:
+                 prompt: object, key: str | None = None, door: str = "grpc") -> None:
         self._metrics = metrics
         self.request_id = request_id
         self.key = key
+        self.door = door
         self._on_end: list[Callable[[], None]] = []
-        self._generated = metrics.labelled(metrics.generation_tokens, key)
+        self._generated = metrics.labelled(metrics.generation_tokens, key, door)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self._prompt = prompt
@@ -210,14 +217,14 @@ class RequestRecord:
 
     def on_finish(self, reason: str) -> None:
         if self._end():
-            self._metrics.labelled(self._metrics.request_success, self.key,
+            self._metrics.labelled(self._metrics.request_success, self.key, self.door,
                                    finished_reason=reason).inc()
             self._metrics.e2e.observe(time.monotonic() - self._start)
             self._log(f"finish={reason}")
 
     def on_error(self, code: str, message: str) -> None:
         if self._end():
-            self._metrics.failure(code, self.key)
+            self._metrics.failure(code, self.key, self.door)
             self._log(f"error={code} ({message})")
 
     def on_end(self, callback: Callable[[], None]) -> None:

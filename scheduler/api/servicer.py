@@ -165,11 +165,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return [OutputParser(fmt, reasoning) for _ in range(n)]
 
     async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None,
-                    key: str | None = None) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
+                    key: str | None = None, door: str = "grpc"
+                    ) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
         """Validate, submit and track one request: the one path of every door
         (gRPC, the OpenAI door). A refusal is counted and logged, then raised
         as ``RequestRefused``; ``time_remaining`` is the caller's deadline,
-        ``key`` the name of its API key. The request holds one of the key's
+        ``key`` the name of its API key, ``door`` the API it came through (the
+        metrics' ``door`` label). The request holds one of the key's
         slots (``--max-requests-per-key``) until its record ends."""
         code, message, invalid = "UNAVAILABLE", self.refusing, None
         release = None
@@ -180,7 +182,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 handle = state.engine.submit(validated, time_remaining)
                 record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
                                             _prompt_for_log(params) if self.metrics.log_prompts else None,
-                                            key)
+                                            key, door)
                 record.on_end(release)
                 release = None
                 return handle, record, validated
@@ -195,7 +197,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         finally:
             if release is not None:     # not admitted: the slot goes back at once
                 release()
-        self.metrics.failure(code, key)
+        self.metrics.failure(code, key, door)
         request_log.info("request %s:%s rejected %s (%s)", params.request_id or "-", key_field(key),
                          code, message)
         raise RequestRefused(code, message, invalid)

@@ -160,9 +160,9 @@ def test_metrics_endpoint(server: Server) -> None:
         assert name in text, name
     values = {line.split(" ")[0]: float(line.split(" ")[1])
               for line in text.splitlines() if line and not line.startswith("#")}
-    assert values['jitney:request_success_total{finished_reason="length"}'] >= 1
-    assert values["jitney:generation_tokens_total"] >= 5
-    assert values["jitney:prompt_tokens_total"] >= 3
+    assert values['jitney:request_success_total{door="grpc",finished_reason="length"}'] >= 1
+    assert values['jitney:generation_tokens_total{door="grpc"}'] >= 5
+    assert values['jitney:prompt_tokens_total{door="grpc"}'] >= 3
     assert values["jitney:time_to_first_token_seconds_count"] >= 1
     assert "request " in server.log() and "finish=length" in server.log()
 

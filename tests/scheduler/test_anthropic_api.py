@@ -112,6 +112,7 @@ def test_stream_events_and_the_sdk_helper(client: Any) -> None:
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(server: Harness) -> None:
+    cancelled = server.failures("CANCELLED", "anthropic")
     server.worker.step_seconds = 0.05
     request = urllib.request.Request(
         f"http://127.0.0.1:{server.port}/v1/messages", method="POST",
@@ -122,6 +123,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server: Harness) -> N
     response.close()
     wait_for(lambda: server.engine_load() == (0, 0, 0, 0), timeout=10.0, interval=0.01)
     server.worker.step_seconds = 0.0
+    assert server.failures("CANCELLED", "anthropic") == cancelled + 1   # the metrics name its door
 
 
 # -- tools ----------------------------------------------------------------------------

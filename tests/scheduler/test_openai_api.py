@@ -294,7 +294,7 @@ def test_json_schema_strict_false_asks_for_lenient_json(client: openai.OpenAI) -
 
 def test_cancelled_stream_frees_the_request(client: openai.OpenAI, server: Harness) -> None:
     server.worker.step_seconds = 0.01            # 400 tokens would take 4 s
-    cancelled = server.failures("CANCELLED")
+    cancelled = server.failures("CANCELLED", "openai")
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
                                             max_tokens=400, extra_body={"ignore_eos": True})
     for _, chunk in zip(range(3), stream):
@@ -304,7 +304,7 @@ def test_cancelled_stream_frees_the_request(client: openai.OpenAI, server: Harne
     started = time.monotonic()
     wait_for(lambda: server.engine_load() == (0, 0, 0, 0), timeout=3, interval=0.01)
     assert time.monotonic() - started < 2
-    assert server.failures("CANCELLED") == cancelled + 1
+    assert server.failures("CANCELLED", "openai") == cancelled + 1
 
     # A client that hangs up on a non-streamed request cancels it too.
     body = json.dumps({"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}).encode()
@@ -313,7 +313,7 @@ def test_cancelled_stream_frees_the_request(client: openai.OpenAI, server: Harne
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_for(lambda: server.engine_load()[0] == 1, timeout=3, interval=0.01)
     wait_for(lambda: server.engine_load() == (0, 0, 0, 0), timeout=3, interval=0.01)
-    assert server.failures("CANCELLED") == cancelled + 2
+    assert server.failures("CANCELLED", "openai") == cancelled + 2
 
 
 def test_deadline_answers_504(client: openai.OpenAI, server: Harness) -> None:

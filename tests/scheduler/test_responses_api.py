@@ -245,13 +245,13 @@ def test_store_off(tokenizer: Any, tmp_path: Path) -> None:
 
 def test_cancelled_stream_frees_the_request(client: openai.OpenAI, server: Harness) -> None:
     server.worker.step_seconds = 0.05
-    cancelled = server.failures("CANCELLED")
+    cancelled = server.failures("CANCELLED", "responses")
     stream = client.responses.create(model=MODEL, input="where to?", stream=True)
     for _, _event in zip(range(4), stream):
         pass
     stream.close()
     wait_for(lambda: server.engine_load() == (0, 0, 0, 0), timeout=3, interval=0.01)
-    assert server.failures("CANCELLED") == cancelled + 1
+    assert server.failures("CANCELLED", "responses") == cancelled + 1
 
 
 def test_deadline_mid_stream_fails_the_response(client: openai.OpenAI, server: Harness) -> None:

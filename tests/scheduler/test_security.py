@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.certs import Pki
@@ -94,8 +95,9 @@ class InProcessScheduler:
     def metric(self, name: str, **labels: str) -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.cfg.metrics_port}/metrics",
                                       timeout=TIMEOUT).read().decode()
-        want = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(want + " "))
+        # The samples of ``name`` whose labels include ``labels``, summed.
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == name and labels.items() <= s.labels.items())
 
     def close(self) -> None:
         for channel in self._channels.values():
@@ -238,13 +240,14 @@ def test_health_and_reflection_answer_without_a_key(plain: InProcessScheduler) -
 
 
 def test_metrics_count_requests_per_key_name(plain: InProcessScheduler) -> None:
-    before = plain.metric("jitney:request_success_total", finished_reason="length", key="bob")
-    refused = plain.metric("jitney:request_failure_total", code="UNAUTHENTICATED", key="")
+    before = plain.metric("jitney:request_success_total", finished_reason="length", key="bob", door="grpc")
+    refused = plain.metric("jitney:request_failure_total", code="UNAUTHENTICATED", key="", door="grpc")
     plain.stub(BOB).Generate(pb.GenerateRequest(params=_params(2)), timeout=TIMEOUT)
     _code(lambda: CALLS["GetServerStats"](plain.stub(WRONG)))
-    assert plain.metric("jitney:request_success_total", finished_reason="length", key="bob") == before + 1
-    assert plain.metric("jitney:request_failure_total", code="UNAUTHENTICATED", key="") == refused + 1
-    assert plain.metric("jitney:generation_tokens_total", key="bob") >= 2
+    assert plain.metric("jitney:request_success_total", finished_reason="length", key="bob",
+                        door="grpc") == before + 1
+    assert plain.metric("jitney:request_failure_total", code="UNAUTHENTICATED", key="", door="grpc") == refused + 1
+    assert plain.metric("jitney:generation_tokens_total", key="bob", door="grpc") >= 2
     # the OpenAI door's health is open too
     text = urllib.request.urlopen(f"http://127.0.0.1:{plain.http_port}/health", timeout=TIMEOUT).read()
     assert json.loads(text) == {"status": "serving"}
@@ -410,6 +413,9 @@ def _http(url: str, key: str | None, context: ssl.SSLContext | None = None) -> t
 
 def test_openai_door_wants_the_same_keys(plain: InProcessScheduler) -> None:
     url = f"http://127.0.0.1:{plain.http_port}/v1/completions"
+    refused = plain.metric("jitney:request_failure_total", code="UNAUTHENTICATED", door="openai")
+    served = plain.metric("jitney:request_success_total", key="alice", door="openai")
+    served_grpc = plain.metric("jitney:request_success_total", key="alice", door="grpc")
     for key in (None, WRONG):
         status, body = _http(url, key)
         assert status == 401
@@ -417,6 +423,11 @@ def test_openai_door_wants_the_same_keys(plain: InProcessScheduler) -> None:
         assert body["error"]["type"] == "invalid_request_error"
     status, body = _http(url, ALICE)
     assert status == 200 and body["usage"]["completion_tokens"] == 3
+    # Counted under the door they came through.
+    assert plain.metric("jitney:request_failure_total", code="UNAUTHENTICATED", door="openai") == refused + 2
+    assert plain.metric("jitney:request_success_total", key="alice", door="openai") == served + 1
+    assert plain.metric("jitney:request_success_total", key="alice", door="grpc") == served_grpc
+    assert plain.metric("jitney:generation_tokens_total", key="alice", door="openai") >= 3
 
 
 @pytest.mark.usefixtures("slow_worker")

@@ -93,9 +93,9 @@ class Harness:
                     sched.block_manager.num_used_blocks)
         return self.call(read())  # type: ignore[no-any-return]
 
-    def failures(self, code: str) -> float:
+    def failures(self, code: str, door: str = "grpc") -> float:
         value = self.servicer.metrics.registry.get_sample_value("jitney:request_failure_total",
-                                                                {"code": code})
+                                                                {"code": code, "door": door})
         return value or 0.0
 
     def close(self) -> None:

@@ -23,10 +23,22 @@ KEY_NAME: Any = (web.RequestKey("jitney_api_key_name", str) if hasattr(web, "Req
                  else "jitney_api_key_name")
 OPEN_PATHS = frozenset({"/health"})
 ANTHROPIC_PREFIX = "/v1/messages"     # Anthropic's Messages API: its own error shape
+RESPONSES_PREFIX = "/v1/responses"
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def door_of(path: str) -> str:
+    """The metrics' ``door`` of an HTTP path."""
+    if _under(path, ANTHROPIC_PREFIX):
+        return "anthropic"
+    return "responses" if _under(path, RESPONSES_PREFIX) else "openai"
 
 
 def _error_response(request: web.Request, error: APIError, headers: dict[str, str] | None = None) -> web.Response:
-    if request.path == ANTHROPIC_PREFIX or request.path.startswith(ANTHROPIC_PREFIX + "/"):
+    if _under(request.path, ANTHROPIC_PREFIX):
         from jitney.scheduler.api.http.anthropic.protocol import AnthropicError
 
         return web.json_response(AnthropicError(error.status, error.message).body(), status=error.status,
@@ -48,7 +60,7 @@ def _authenticate(keys: ApiKeys, metrics: Metrics) -> Any:
         sent = sent if sent is not None else token
         name = keys.identify(token)
         if name is None:
-            metrics.failure("UNAUTHENTICATED")
+            metrics.failure("UNAUTHENTICATED", door=door_of(request.path))
             request_log.info("HTTP %s %s from %s: rejected 401 (%s)", request.method, request.path,
                              request.remote, "no key" if sent is None else "a key that matches none")
             error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` "

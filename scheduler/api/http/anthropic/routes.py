@@ -60,7 +60,7 @@ class AnthropicRoutes:
 
     async def _open(self, request: web.Request, parsed: MessagesRequest) -> Any:
         try:
-            return await self.openai.open_chat(request, parsed.chat, id_prefix="msg")
+            return await self.openai.open_chat(request, parsed.chat, id_prefix="msg", door="anthropic")
         except APIError as exc:
             raise _translate(exc, parsed) from None
 

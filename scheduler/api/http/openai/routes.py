@@ -81,11 +81,11 @@ class OpenAIRoutes:
 
     # -- the chat path other doors translate into --------------------------
     async def open_chat(self, request: web.Request, body: dict[str, Any], *,
-                        id_prefix: str = "chatcmpl") -> ChatRun:
+                        id_prefix: str = "chatcmpl", door: str = "openai") -> ChatRun:
         """Admit ``body`` (a chat completions request, as OpenAI's JSON) as
         ``/v1/chat/completions`` would, streamed with usage: the Anthropic and
         Responses doors build such a body from their own and translate the
-        chunks back. Refusals raise APIError (OpenAI's shape: the door maps it
+        chunks back; ``door`` names the caller's API in the metrics. Refusals raise APIError (OpenAI's shape: the door maps it
         to its own), as do errors while the answer streams."""
         timeout = _timeout(request)
         state = self._serving()
@@ -97,7 +97,7 @@ class OpenAIRoutes:
             raise _model_not_found(str(model), names)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
-        handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
+        handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME), door)
         fmt = self._formatter(state, parsed, response_id, names[0], "", prompt_ids)
         return ChatRun(state, handle, record, fmt, len(prompt_ids))
 
@@ -116,7 +116,7 @@ class OpenAIRoutes:
             raise _model_not_found(str(model), names)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
-        handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME))
+        handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME), "openai")
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
             fmt = self._formatter(state, parsed, response_id, names[0], echo, prompt_ids)
@@ -142,11 +142,11 @@ class OpenAIRoutes:
                           else "off")
 
     async def _submit(self, state: ServingState, parsed: ParsedRequest, timeout: float | None,
-                      key: str | None) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
+                      key: str | None, door: str) -> tuple[RequestHandle, RequestRecord, tuple[int, ...]]:
         """``GenerationServicer.admit`` (the gRPC path's checks, codes and metrics), its
         refusals as OpenAI errors (an invalid field named by its OpenAI argument)."""
         try:
-            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout, key)
+            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout, key, door)
         except RequestRefused as refused:
             exc = refused.invalid
             if exc is None:

@@ -136,7 +136,7 @@ class ResponsesRoutes:
     # -- the chat path
     async def _open(self, request: web.Request, body: dict[str, Any]) -> ChatRun:
         try:
-            return await self.chat.open_chat(request, body, id_prefix="resp")
+            return await self.chat.open_chat(request, body, id_prefix="resp", door="responses")
         except APIError as exc:
             raise _renamed(exc) from None
 
