@@ -193,7 +193,9 @@ def test_sdk_raises_its_own_errors(client: Any) -> None:
 
 def test_keys_through_x_api_key(tmp_path: Path) -> None:
     from jitney.scheduler.api.http.middleware import _authenticate
-    middleware = _authenticate(_Keys({"s3cret": "alice"}), _Metrics())   # type: ignore[arg-type]
+    from jitney.scheduler.api.metrics import Metrics
+    metrics = Metrics(lambda: None, key_label=True)
+    middleware = _authenticate(_Keys({"s3cret": "alice"}), metrics)   # type: ignore[arg-type]
     from aiohttp.test_utils import make_mocked_request
 
     async def handler(request: Any) -> Any:
@@ -212,14 +214,10 @@ def test_keys_through_x_api_key(tmp_path: Path) -> None:
     openai_shape = asyncio.run(middleware(make_mocked_request("POST", "/v1/chat/completions"), handler))
     assert openai_shape.status == 401 and "error" in json.loads(openai_shape.body)
     assert json.loads(openai_shape.body)["error"]["code"] == "invalid_api_key"
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-
-    def failure(self, code: str, key: str | None = None) -> None:
-        self.failures.append(code)
+    refused = {door: metrics.registry.get_sample_value(
+        "jitney:request_failure_total", {"code": "UNAUTHENTICATED", "door": door, "key": ""})
+        for door in ("anthropic", "openai", "responses")}
+    assert refused == {"anthropic": 1.0, "openai": 1.0, "responses": None}
 
 
 class _Keys:

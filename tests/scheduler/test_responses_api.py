@@ -331,6 +331,35 @@ def test_function_call_round_trip(client: openai.OpenAI, tokenizer: Any) -> None
     assert r2.status == "completed" and r2.output_text == JSON_DOC
     assert r2.usage is not None and r1.usage is not None and r2.usage.input_tokens > r1.usage.input_tokens
     assert [i.type for i in client.responses.retrieve(r2.id).output] == ["message"]
+    # The items r2 was generated from: r1's input and output, then the tool's output.
+    listed = client.responses.input_items.list(r2.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output"]
+    assert listed.data[1].call_id == calls[0].call_id and listed.data[1].id == calls[0].id
+    assert listed.data[2].output == "noted" and listed.data[2].id.startswith("fco_")
+    newest = client.responses.input_items.list(r2.id)     # desc by default
+    assert [i.id for i in newest.data] == [i.id for i in listed.data][::-1]
+
+
+def test_input_items_pages(client: openai.OpenAI) -> None:
+    turns = [{"role": "user", "content": f"turn {k}", "id": f"msg_mine_{k}"} for k in range(5)]
+    r = client.responses.create(model=MODEL, input=turns, store=True)
+    first = client.responses.input_items.list(r.id, limit=2, order="asc")
+    assert [i.id for i in first.data] == ["msg_mine_0", "msg_mine_1"] and first.has_more
+    assert first.first_id == "msg_mine_0" and first.last_id == "msg_mine_1"
+    every = [i.id for i in client.responses.input_items.list(r.id, limit=2, order="asc")]   # the SDK pages on
+    assert every == [t["id"] for t in turns]
+    last = client.responses.input_items.list(r.id, limit=2, order="asc", after="msg_mine_3")
+    assert [i.id for i in last.data] == ["msg_mine_4"] and not last.has_more
+    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after"), ({"include": ["x"]}, "include")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.get(f"/responses/{r.id}/input_items", cast_to=object, options={"params": query})
+        assert err.value.param == param, query
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, input=[{"role": "user", "content": "x", "id": ""}])
+    assert bad.value.param == "input[0].id"
 
 
 @needs_tools

@@ -7,6 +7,9 @@ Normalized items (what the store keeps, in order, as the conversation):
     {"type": "function_call_output", "call_id", "output"}
     {"type": "reasoning", ...}                                      (an output item; not re-rendered)
 
+Every item has an ``id`` (what ``GET /v1/responses/{id}/input_items`` pages
+by): the client's, checked, or a new one (``msg_``, ``fc_``, ``fco_`` + hex).
+
 Decisions:
   * Role ``developer`` is ``system``. Consecutive ``function_call`` items are
     one assistant turn with parallel ``tool_calls`` (joined to the assistant
@@ -18,6 +21,7 @@ Decisions:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +29,8 @@ from jitney.scheduler.api.http.openai.protocol import APIError
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text")
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+MAX_ID_CHARS = 128
 
 
 def bad(param: str, message: str, code: str | None = None) -> APIError:
@@ -42,7 +48,8 @@ def need_str(obj: Mapping[str, Any], key: str, where: str) -> str:
 def parse_input(value: Any) -> list[dict[str, Any]]:
     """``input``, normalized (see the module docstring)."""
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}],
+                 "id": _item_id({}, "message", "input")}]
     if not isinstance(value, list):
         raise bad("input", "must be a string or a list of input items")
     items = []
@@ -67,7 +74,18 @@ def parse_input(value: Any) -> list[dict[str, Any]]:
                       "function_call, function_call_output, reasoning)", code="unsupported_value")
         else:
             raise bad(f"{where}.type", "is required: a string")
+        items[-1]["id"] = _item_id(item, kind, where)
     return items
+
+
+def _item_id(item: Mapping[str, Any], kind: str, where: str) -> str:
+    """The item's own id when it has one (a non-empty printable string), else a new one."""
+    given = item.get("id")
+    if given is None:
+        return f"{_ID_PREFIX[kind]}_{uuid.uuid4().hex}"
+    if not isinstance(given, str) or not given or len(given) > MAX_ID_CHARS or not given.isprintable():
+        raise bad(f"{where}.id", f"must be a non-empty printable string of at most {MAX_ID_CHARS} characters")
+    return given
 
 
 def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -2,6 +2,11 @@
 
     POST   /v1/responses          create (``stream: true``: typed server-sent events)
     GET    /v1/responses/{id}     a stored response (404 when unknown, aged out or not stored)
+    GET    /v1/responses/{id}/input_items
+                                  the items the response was generated from, paged
+                                  (``after``, ``limit`` 1..100 (20), ``order`` asc|desc (desc)):
+                                  the conversation of its ``previous_response_id`` chain
+                                  and its own input, everything the model was given
     DELETE /v1/responses/{id}     delete a stored response
 
 A create request becomes a chat completions body (``protocol.py``; with
@@ -55,6 +60,7 @@ class ResponsesRoutes:
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.create)
         app.router.add_get("/v1/responses/{id}", self.retrieve)
+        app.router.add_get("/v1/responses/{id}/input_items", self.input_items)
         app.router.add_delete("/v1/responses/{id}", self.delete)
         app.on_cleanup.append(self._close)
 
@@ -88,6 +94,30 @@ class ResponsesRoutes:
         _no_query(request)
         stored = await self._stored(request.match_info["id"])
         return web.json_response(stored, dumps=dumps)
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        after, limit, order = _page_query(request)
+        response_id = request.match_info["id"]
+        found = None if self.store is None else await self._guard(self.store.get(response_id))
+        if found is None:
+            raise _not_found(response_id, self.store is None)
+        inputs = found.items[:len(found.items) - len(found.response.get("output", []))]
+        # (Items stored without an id, by an older server, are named by their place.)
+        inputs = [item if "id" in item else dict(item, id=f"item_{k}") for k, item in enumerate(inputs)]
+        if order == "desc":
+            inputs = inputs[::-1]
+        start = 0
+        if after is not None:
+            at = next((k for k, item in enumerate(inputs) if item.get("id") == after), None)
+            if at is None:
+                raise APIError(400, f"after: no input item {after[:64]!r} in response {response_id[:64]!r}",
+                               param="after")
+            start = at + 1
+        page = inputs[start:start + limit]
+        return web.json_response({"object": "list", "data": page,
+                                  "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None,
+                                  "has_more": start + limit < len(inputs)}, dumps=dumps)
 
     async def delete(self, request: web.Request) -> web.Response:
         _no_query(request)
@@ -214,6 +244,23 @@ def _not_found(response_id: str, no_store: bool) -> APIError:
     why = ": this server does not store responses (--no-responses-store)" if no_store else ""
     return APIError(404, f"Response with id '{response_id[:64]}' not found{why}.", param="response_id",
                     code="not_found")
+
+
+def _page_query(request: web.Request) -> tuple[str | None, int, str]:
+    """``after``, ``limit`` and ``order`` of a list request, checked; anything else refused."""
+    query = request.query
+    for key in query:
+        if key not in ("after", "limit", "order"):
+            name = key.removesuffix("[]")   # the SDKs send a list as ``include[]=...``
+            raise APIError(400, f"{name}: is not supported by Jitney (after, limit, order)", param=name,
+                           code="unsupported_parameter")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise APIError(400, f"limit: must be an integer from 1 to 100, got {limit_text[:32]!r}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be 'asc' or 'desc', got {order[:32]!r}", param="order")
+    return query.get("after"), int(limit_text), order
 
 
 def _no_query(request: web.Request) -> None:
