@@ -26,7 +26,7 @@ from jitney.scheduler.core.detokenizer import TokenTexts
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.request import FinishReason
-from jitney.scheduler.api.tools.formats import ToolFormat, format_named
+from jitney.scheduler.api.tools.formats import ToolFormat, format_named, marker_tokens
 from jitney.scheduler.api.tools.grammar import reasoned_json_grammar, tool_grammar
 from jitney.scheduler.api.tools.spec import tool_request
 from jitney.scheduler.api.tools.stream import OutputParser
@@ -118,8 +118,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """"on": the output starts inside a reasoning block (the prompt opened one);
         "maybe": it may open one with <think>; "off": no reasoning is parsed (a
         model that does not reason, a text prompt, or the template closed it:
-        Qwen3's with enable_thinking false)."""
+        Qwen3's with enable_thinking false); "harmony": a chat answer of a harmony
+        model (gpt-oss), its channels parsed whatever --reasoning-parser says (they are
+        the answer's format)."""
         template = getattr(state.tokenizer, "chat_template", None) or ""
+        if params.WhichOneof("prompt") == "chat" and self.tool_format(state).harmony:
+            return "harmony"
         if self.reasoning == "off" or params.WhichOneof("prompt") != "chat":
             return "off"
         if self.reasoning == "auto" and "</think>" not in template:
@@ -218,19 +222,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if max_tokens != validated.sampling.max_tokens:
             validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
         tools = tool_request(params)
+        reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
+        tokens = marker_tokens(fmt, state.tokenizer)
+        if tokens and (reasoning == "harmony" or (tools is not None and tools.callable)):
+            # The markers are special tokens, which the detokenizer would drop: the parser reads them.
+            validated = replace(validated, keep_special=frozenset(tokens.values()))
         if tools is not None and tools.callable:
             if params.HasField("response_format"):
                 raise InvalidRequestError("params.response_format",
                                           "together with tools is not supported (set tool_choice none)")
             compiler = await self._grammar_compiler(state)
-            reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
-            grammar = await compiler.compile_lark(tool_grammar(fmt, tools, reasoning), "params.tools")
+            grammar = await compiler.compile_lark(tool_grammar(fmt, tools, reasoning, tokens), "params.tools")
             return replace(validated, grammar=grammar)
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)
         fmt_kind = params.response_format.WhichOneof("format")
-        reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
         if reasoning != "off" and fmt_kind in ("json_schema", "json_object"):
             # The format applies to the answer after the reasoning block.
             rf = params.response_format
@@ -238,7 +245,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 schema = json.loads(rf.json_schema) if fmt_kind == "json_schema" else None
             except ValueError as exc:
                 raise InvalidRequestError("params.response_format.json_schema", f"not JSON: {exc}") from None
-            text = reasoned_json_grammar(schema, rf.lenient_json, reasoning)
+            text = reasoned_json_grammar(schema, rf.lenient_json, reasoning, tokens)
             return replace(validated, grammar=await compiler.compile_lark(text, f"params.response_format.{fmt_kind}"))
         return replace(validated, grammar=await compiler.compile(params.response_format))
 
