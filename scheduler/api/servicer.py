@@ -7,7 +7,6 @@ client can cause ends as a gRPC status on that call only.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import Sequence
@@ -23,11 +22,12 @@ from jitney.scheduler.core.admission import QueueFullError
 from jitney.scheduler.security.keys import KeyLimiter, KeyLimitError, caller_key
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.detokenizer import TokenTexts
+from jitney.scheduler.core.grammar import engine_grammar
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.request import FinishReason
 from jitney.scheduler.api.tools.formats import ToolFormat, format_named, marker_tokens
-from jitney.scheduler.api.tools.grammar import reasoned_json_grammar, tool_grammar
+from jitney.scheduler.api.tools.grammar import reasoned_grammar, tool_grammar
 from jitney.scheduler.api.tools.spec import tool_request
 from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
@@ -237,16 +237,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)
-        fmt_kind = params.response_format.WhichOneof("format")
-        if reasoning != "off" and fmt_kind in ("json_schema", "json_object"):
-            # The format applies to the answer after the reasoning block.
-            rf = params.response_format
-            try:
-                schema = json.loads(rf.json_schema) if fmt_kind == "json_schema" else None
-            except ValueError as exc:
-                raise InvalidRequestError("params.response_format.json_schema", f"not JSON: {exc}") from None
-            text = reasoned_json_grammar(schema, rf.lenient_json, reasoning, tokens)
-            return replace(validated, grammar=await compiler.compile_lark(text, f"params.response_format.{fmt_kind}"))
+        if reasoning != "off":
+            # The format applies to the answer after the reasoning block (harmony: the final channel).
+            answer, field = engine_grammar(params.response_format)
+            text = reasoned_grammar(answer, reasoning, tokens)
+            return replace(validated, grammar=await compiler.compile_toplevel(text, field))
         return replace(validated, grammar=await compiler.compile(params.response_format))
 
     async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:

@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 from jitney.scheduler.api.http.openai.protocol import parse_request
 from jitney.scheduler.api.tools.formats import (HARMONY, HARMONY_TOKENS, HERMES, detect_format, is_harmony,
                                                 marker_tokens, one_call_per_turn)
-from jitney.scheduler.api.tools.grammar import reasoned_json_grammar, tool_grammar
+from jitney.scheduler.api.tools.grammar import reasoned_grammar, tool_grammar
 from jitney.scheduler.api.tools.spec import ToolRequest, ToolSpec, tool_request
 from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
-from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask
+from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask, engine_grammar
+from jitney.v1 import generation_pb2 as pb
 from tests.scheduler.test_tool_properties import SCHEMAS
 from tests.support.scripted_worker import EOS, VOCAB, allowed, make_tokenizer
 from tests.support.text_worker import pick
@@ -71,7 +72,8 @@ def ids_of(tok: Any, text: str) -> list[int]:
 
 
 def accepts(compiler: GrammarCompiler, grammar: str, ids: list[int]) -> bool:
-    matcher = asyncio.run(compiler.compile_lark(grammar, "params.tools")).new_matcher()
+    compile_ = compiler.compile_toplevel if grammar.startswith("{") else compiler.compile_lark
+    matcher = asyncio.run(compile_(grammar, "params.tools")).new_matcher()
     return all(matcher.accept_token(t) for t in ids) and matcher.is_completed()
 
 
@@ -183,7 +185,7 @@ def test_grammar_forced_auto_and_the_answers_format(tok: Any, compiler: GrammarC
                ["input_ids"]]
     assert len(spelled) > 1 and not accepts(compiler, auto, spelled)
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
-    fmt = reasoned_json_grammar(schema, False, "harmony", tokens)
+    fmt = reasoned_grammar(engine_grammar(pb.ResponseFormat(json_schema=json.dumps(schema)))[0], "harmony", tokens)
     good = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>"
     assert accepts(compiler, fmt, ids_of(tok, good + '{"answer": "yes"}') + [EOS])
     assert not accepts(compiler, fmt, ids_of(tok, good + "yes"))

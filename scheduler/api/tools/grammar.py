@@ -40,7 +40,7 @@ from typing import Any
 
 from jitney.scheduler.api.tools.formats import HARMONY_TOKENS, ToolFormat
 from jitney.scheduler.api.tools.spec import ToolRequest
-from jitney.scheduler.core.grammar import COMPACT_JSON_OPTIONS, LENIENT_JSON_OPTIONS, close_objects
+from jitney.scheduler.core.grammar import COMPACT_JSON_OPTIONS, close_objects
 
 
 def _literal(text: str) -> str:
@@ -152,14 +152,19 @@ def _start(reasoning: str, tokens: Mapping[str, int] | None = None) -> list[str]
     return rules
 
 
-def reasoned_json_grammar(schema: dict[str, Any] | None, lenient: bool, reasoning: str,
-                          tokens: Mapping[str, int] | None = None) -> str:
-    """A JSON response format (``schema`` None: any object) that applies after the
-    reasoning block: as scheduler/core/grammar.py compiles it, compact and closed
-    unless ``lenient``."""
-    if schema is None:
-        schema = {"type": "object"}
-    elif not lenient:
-        schema = close_objects(schema)
-    schema = dict(schema, **{"x-guidance": dict(LENIENT_JSON_OPTIONS if lenient else COMPACT_JSON_OPTIONS)})
-    return "\n".join(_start(reasoning, tokens) + [f"main: %json {json.dumps(schema)}"]) + "\n"
+def reasoned_grammar(answer: str, reasoning: str, tokens: Mapping[str, int] | None = None) -> str:
+    """A response format that applies to the answer after the reasoning: ``answer`` is
+    its llguidance grammar (core/grammar.py's ``engine_grammar``: Lark text, or a
+    TopLevelGrammar JSON of one grammar: a JSON schema, a regex); the result is a
+    TopLevelGrammar whose first grammar is the reasoning head and whose ``main`` is
+    ``@answer``, the format's grammar unchanged, so its rule names cannot meet ours."""
+    if answer.lstrip().startswith("{"):
+        inner = json.loads(answer)["grammars"]
+        if len(inner) != 1:
+            raise ValueError(f"the answer's grammar has {len(inner)} grammars, not one")
+        sub = {k: v for k, v in inner[0].items() if v is not None}
+    else:
+        sub = {"lark_grammar": answer}
+    sub["name"] = "answer"
+    head = "\n".join(_start(reasoning, tokens) + ["main: @answer"]) + "\n"
+    return json.dumps({"grammars": [{"lark_grammar": head}, sub]})

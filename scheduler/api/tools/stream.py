@@ -92,6 +92,7 @@ class OutputParser:
             raise ValueError(f"harmony output cannot carry {fmt.name} calls")
         self._state = {"on": "REASON", "maybe": "START", "harmony": "H_HEAD"}.get(reasoning, "TEXT")
         self._body = ""            # H_BODY: reasoning, content or call
+        self._skip_space = False
         self._buf = ""
         self._depth = 0
         self._in_string = False
@@ -123,6 +124,9 @@ class OutputParser:
 
     # -- the states: each returns whether it made progress
     def _step(self, out: Deltas) -> bool:
+        if self._skip_space:        # the space after </think>, whichever piece it comes in
+            self._buf = self._buf.lstrip()
+            self._skip_space = not self._buf
         if not self._buf:
             return False
         return getattr(self, f"_{self._state.lower()}")(out)  # type: ignore[no-any-return]
@@ -144,8 +148,8 @@ class OutputParser:
         at = self._buf.find(THINK_CLOSE)
         if at >= 0:
             out.reasoning += self._buf[:at]
-            self._buf = self._buf[at + len(THINK_CLOSE):].lstrip()
-            self._state = "TEXT"
+            self._buf = self._buf[at + len(THINK_CLOSE):]
+            self._state, self._skip_space = "TEXT", True
             return True
         keep = _held_prefix(self._buf, THINK_CLOSE)
         out.reasoning += self._buf[:len(self._buf) - keep]
