@@ -94,6 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.model_names = tuple(model_names)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self._token_texts: TokenTexts | None = None
+        self._markers: tuple[Any, ToolFormat, dict[str, int]] | None = None
         # Built at the first constrained request (its tokenizer index takes
         # ~0.5 s), kept across worker restarts of the same vocabulary.
         self._grammars: GrammarCompiler | None = None
@@ -222,12 +223,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if max_tokens != validated.sampling.max_tokens:
             validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
         tools = tool_request(params)
+        calls = tools is not None and bool(tools.callable)
+        if not calls and not params.HasField("response_format") and not fmt.harmony:
+            return validated
         reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
-        tokens = marker_tokens(fmt, state.tokenizer)
-        if tokens and (reasoning == "harmony" or (tools is not None and tools.callable)):
+        tokens = self._marker_tokens(state, fmt)
+        if tokens and (reasoning == "harmony" or calls):
             # The markers are special tokens, which the detokenizer would drop: the parser reads them.
             validated = replace(validated, keep_special=frozenset(tokens.values()))
-        if tools is not None and tools.callable:
+        if tools is not None and calls:
             if params.HasField("response_format"):
                 raise InvalidRequestError("params.response_format",
                                           "together with tools is not supported (set tool_choice none)")
@@ -243,6 +247,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             text = reasoned_grammar(answer, reasoning, tokens)
             return replace(validated, grammar=await compiler.compile_toplevel(text, field))
         return replace(validated, grammar=await compiler.compile(params.response_format))
+
+    def _marker_tokens(self, state: ServingState, fmt: ToolFormat) -> dict[str, int]:
+        """``marker_tokens`` of the served tokenizer, computed once per tokenizer and format."""
+        cached = self._markers
+        if cached is None or cached[0] is not state.tokenizer or cached[1] is not fmt:
+            cached = self._markers = (state.tokenizer, fmt, marker_tokens(fmt, state.tokenizer))
+        return cached[2]
 
     async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:
         async with self._grammars_lock:
