@@ -190,10 +190,11 @@ def add_model_setting_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template that replaces the model's own, for chat prompts on both doors "
                              "(checked at start: it must render a one-message conversation)")
     parser.add_argument("--tool-call-parser", default="auto",
-                        choices=("auto", "hermes", "generic", "llama3", "mistral"),
+                        choices=("auto", "hermes", "generic", "llama3", "mistral", "harmony"),
                         help="how the model writes tool calls (scheduler/api/tools/formats.py): auto (default) "
-                             "reads the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> "
-                             "llama3; a template without tools: generic, the tools described in the system turn)")
+                             "reads the chat template (<|channel|> harmony, gpt-oss's channels; <tool_call> hermes, "
+                             "[TOOL_CALLS] mistral, <|python_tag|> llama3; a template without tools: generic, the "
+                             "tools described in the system turn)")
     parser.add_argument("--reasoning-parser", default="auto", choices=("auto", "on", "off"),
                         help="split <think>...</think> output off as reasoning_content: auto (default) where the "
                              "chat template mentions </think>, on, off")

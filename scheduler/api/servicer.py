@@ -7,7 +7,6 @@ client can cause ends as a gRPC status on that call only.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import Sequence
@@ -23,11 +22,12 @@ from jitney.scheduler.core.admission import QueueFullError
 from jitney.scheduler.security.keys import KeyLimiter, KeyLimitError, caller_key
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.detokenizer import TokenTexts
+from jitney.scheduler.core.grammar import engine_grammar
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.request import FinishReason
-from jitney.scheduler.api.tools.formats import ToolFormat, format_named
-from jitney.scheduler.api.tools.grammar import reasoned_json_grammar, tool_grammar
+from jitney.scheduler.api.tools.formats import ToolFormat, format_named, marker_tokens
+from jitney.scheduler.api.tools.grammar import reasoned_grammar, tool_grammar
 from jitney.scheduler.api.tools.spec import tool_request
 from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, validate_generation, validate_tokenize
@@ -94,6 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.model_names = tuple(model_names)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self._token_texts: TokenTexts | None = None
+        self._markers: tuple[Any, ToolFormat, dict[str, int]] | None = None
         # Built at the first constrained request (its tokenizer index takes
         # ~0.5 s), kept across worker restarts of the same vocabulary.
         self._grammars: GrammarCompiler | None = None
@@ -118,8 +119,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """"on": the output starts inside a reasoning block (the prompt opened one);
         "maybe": it may open one with <think>; "off": no reasoning is parsed (a
         model that does not reason, a text prompt, or the template closed it:
-        Qwen3's with enable_thinking false)."""
+        Qwen3's with enable_thinking false); "harmony": a chat answer of a harmony
+        model (gpt-oss), its channels parsed whatever --reasoning-parser says (they are
+        the answer's format)."""
         template = getattr(state.tokenizer, "chat_template", None) or ""
+        if params.WhichOneof("prompt") == "chat" and self.tool_format(state).harmony:
+            return "harmony"
         if self.reasoning == "off" or params.WhichOneof("prompt") != "chat":
             return "off"
         if self.reasoning == "auto" and "</think>" not in template:
@@ -220,29 +225,37 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if max_tokens != validated.sampling.max_tokens:
             validated = replace(validated, sampling=replace(validated.sampling, max_tokens=max_tokens))
         tools = tool_request(params)
-        if tools is not None and tools.callable:
+        calls = tools is not None and bool(tools.callable)
+        if not calls and not params.HasField("response_format") and not fmt.harmony:
+            return validated
+        reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
+        tokens = self._marker_tokens(state, fmt)
+        if tokens and (reasoning == "harmony" or calls):
+            # The markers are special tokens, which the detokenizer would drop: the parser reads them.
+            validated = replace(validated, keep_special=frozenset(tokens.values()))
+        if tools is not None and calls:
             if params.HasField("response_format"):
                 raise InvalidRequestError("params.response_format",
                                           "together with tools is not supported (set tool_choice none)")
             compiler = await self._grammar_compiler(state)
-            reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
-            grammar = await compiler.compile_lark(tool_grammar(fmt, tools, reasoning), "params.tools")
+            grammar = await compiler.compile_lark(tool_grammar(fmt, tools, reasoning, tokens), "params.tools")
             return replace(validated, grammar=grammar)
         if not params.HasField("response_format"):
             return validated
         compiler = await self._grammar_compiler(state)
-        fmt_kind = params.response_format.WhichOneof("format")
-        reasoning = self.reasoning_mode(state, params, validated.prompt_token_ids)
-        if reasoning != "off" and fmt_kind in ("json_schema", "json_object"):
-            # The format applies to the answer after the reasoning block.
-            rf = params.response_format
-            try:
-                schema = json.loads(rf.json_schema) if fmt_kind == "json_schema" else None
-            except ValueError as exc:
-                raise InvalidRequestError("params.response_format.json_schema", f"not JSON: {exc}") from None
-            text = reasoned_json_grammar(schema, rf.lenient_json, reasoning)
-            return replace(validated, grammar=await compiler.compile_lark(text, f"params.response_format.{fmt_kind}"))
+        if reasoning != "off":
+            # The format applies to the answer after the reasoning block (harmony: the final channel).
+            answer, field = engine_grammar(params.response_format)
+            text = reasoned_grammar(answer, reasoning, tokens)
+            return replace(validated, grammar=await compiler.compile_toplevel(text, field))
         return replace(validated, grammar=await compiler.compile(params.response_format))
+
+    def _marker_tokens(self, state: ServingState, fmt: ToolFormat) -> dict[str, int]:
+        """``marker_tokens`` of the served tokenizer, computed once per tokenizer and format."""
+        cached = self._markers
+        if cached is None or cached[0] is not state.tokenizer or cached[1] is not fmt:
+            cached = self._markers = (state.tokenizer, fmt, marker_tokens(fmt, state.tokenizer))
+        return cached[2]
 
     async def _grammar_compiler(self, state: ServingState) -> GrammarCompiler:
         async with self._grammars_lock:

@@ -28,7 +28,8 @@ from typing import Any
 
 from jitney.v1 import generation_pb2
 from jitney.scheduler.api.template_kwargs import parse_template_kwargs
-from jitney.scheduler.api.tools.formats import GENERIC, ToolFormat, system_text, template_message
+from jitney.scheduler.api.tools.formats import (GENERIC, ToolFormat, one_call_per_turn, system_text,
+                                                template_message)
 from jitney.scheduler.api.tools.spec import ToolRequest, check_tool_turns, tool_request
 from jitney.scheduler.core.request import InvalidRequestError, SamplingOptions, ValidatedRequest
 
@@ -186,7 +187,7 @@ def _conversation(messages: Sequence[generation_pb2.ChatMessage], tools: ToolReq
             out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text)
         else:
             out.insert(0, {"role": "system", "content": text})
-    return out
+    return one_call_per_turn(out) if fmt.harmony else out
 
 
 def _apply_chat_template(

@@ -131,7 +131,8 @@ class IncrementalDetokenizer:
         ``tokenizer.decode`` of the whole output would: the client sees that
         bytes were lost, and the text is still valid UTF-8.
       * Special tokens are dropped before decoding when
-        ``skip_special_tokens`` is set, so they never grow the window.
+        ``skip_special_tokens`` is set, so they never grow the window; those in
+        ``keep_special`` (a tool format's markers) stay, as their text.
       * Decoding never cleans up tokenization spaces: that clean-up is not
         local to a window.
       * When several stop strings match, the one that completes first wins
@@ -147,10 +148,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        keep_special: frozenset[int] = frozenset(),
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
-        self._special_ids = _special_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        # Dropped here, before decoding: with ids to keep, decode must not drop them itself.
+        self._special_ids = _special_token_ids(tokenizer) - keep_special if skip_special_tokens else frozenset()
+        self._skip_special = skip_special_tokens and not keep_special
         self._matcher = StopStringMatcher(stop)
         self._window = self._prompt_context(prompt_token_ids)
         self._read = len(self._window)  # window[0:read) decodes to emitted text

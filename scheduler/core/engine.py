@@ -167,7 +167,8 @@ class Engine:
                 sample_index=index,
             )
             parent = parent or req
-            detok = IncrementalDetokenizer(self._tokenizer, prompt, validated.sampling.stop)
+            detok = IncrementalDetokenizer(self._tokenizer, prompt, validated.sampling.stop,
+                                           keep_special=validated.keep_special)
             matcher = validated.grammar.new_matcher() if validated.grammar is not None else None
             # Drafts are not verified under a grammar: its masks would have to follow each draft.
             req.may_draft = matcher is None

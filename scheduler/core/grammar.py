@@ -266,8 +266,22 @@ def close_objects(schema: Any) -> Any:
     return schema
 
 
+def engine_grammar(fmt: generation_pb2.ResponseFormat) -> tuple[str, str]:
+    """(llguidance grammar, field) of a ResponseFormat, as ``compile`` builds it: for a
+    caller that puts it inside a grammar of its own (the answer after a reasoning block,
+    scheduler/api/tools/grammar.py). Raises InvalidRequestError naming the field."""
+    (kind, text, lenient), field = _source(fmt)
+    try:
+        return _engine_grammar(kind, text, lenient), field
+    except ValueError as exc:
+        raise InvalidRequestError(field, _message(str(exc))) from None
+
+
 def _engine_grammar(kind: str, text: str, lenient: bool) -> str:
-    """The llguidance grammar for a ResponseFormat's kind and text (may raise ValueError)."""
+    """The llguidance grammar for a ResponseFormat's kind and text (may raise ValueError);
+    kind "toplevel": ``text`` is already one (llguidance's TopLevelGrammar JSON)."""
+    if kind == "toplevel":
+        return text
     options = LENIENT_JSON_OPTIONS if lenient else COMPACT_JSON_OPTIONS
     if kind == "json_schema":
         schema = json.loads(text) if lenient else close_objects(json.loads(text))
@@ -476,6 +490,11 @@ class GrammarCompiler:
     async def compile_lark(self, text: str, field: str) -> CompiledGrammar:
         """A Lark grammar (scheduler/api/tools/grammar.py's), cached by its text; errors name ``field``."""
         return await self._compile(("lark", text, False), field)
+
+    async def compile_toplevel(self, text: str, field: str) -> CompiledGrammar:
+        """An llguidance TopLevelGrammar (JSON: grammars that refer to each other), cached
+        by its text; errors name ``field``."""
+        return await self._compile(("toplevel", text, False), field)
 
     async def _compile(self, key: Key, field: str) -> CompiledGrammar:
         hit = self._cached(key)

@@ -141,3 +141,5 @@ class ValidatedRequest:
     priority: int = 0
     cache_salt: str = ""              # prefix-cache namespace; "" = shared
     grammar: Any = None               # a grammar.CompiledGrammar: constrained output
+    # special token ids the output text keeps (a tool format's markers, which the parser reads)
+    keep_special: frozenset[int] = frozenset()

@@ -9,7 +9,22 @@ families differ in the text around the calls:
     llama3   (none)          {call} at the very start, "; " between            parameters
     mistral  [TOOL_CALLS]    [TOOL_CALLS][{call}, {call}]                      arguments
 
-``detect_format`` reads the chat template's text: ``<tool_call>`` -> hermes,
+gpt-oss (``harmony``) is not of that shape: its output is a sequence of
+messages, each a header and a body,
+
+    <|channel|>analysis<|message|>REASONING<|end|><|start|>assistant
+    <|channel|>final<|message|>ANSWER                      (then <|return|>, an EOS)
+    <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{ARGS}  (then <|call|>)
+
+(the recipient may also come before the channel: `` to=functions.NAME<|channel|>
+commentary json<|message|>``, as the chat template renders past calls). One call
+a turn: ``<|call|>`` ends the output. ``HARMONY_TOKENS`` are the markers; in
+gpt-oss's tokenizer each is one special token, as Mistral's ``[TOOL_CALLS]`` is
+in its own: ``special`` lists them, so that the detokenizer keeps them in the
+text (``marker_tokens``) and the grammar names them by token id.
+
+``detect_format`` reads the chat template's text: ``<|channel|>`` with
+``to=functions.`` -> harmony, ``<tool_call>`` -> hermes,
 ``[TOOL_CALLS]`` -> mistral, ``<|python_tag|>`` or an ``ipython`` role ->
 llama3; a template that never reads ``tools`` (SmolLM2's) -> generic. The
 server's ``--tool-call-parser`` overrides it.
@@ -38,13 +53,24 @@ class ToolFormat:
     last: str
     args_key: str = "arguments"
     in_template: bool = True
+    special: tuple[str, ...] = ()        # markers that may be one special token each
+
+    @property
+    def harmony(self) -> bool:
+        return self.name == "harmony"
 
     def call_text(self, name: str, arguments: str) -> str:
         """One call as the model writes it (compact JSON, name first)."""
         return f'{{"name": {json.dumps(name)}, "{self.args_key}": {arguments}}}'
 
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
-        """Calls (name, arguments JSON) as a whole assistant turn writes them."""
+        """Calls (name, arguments JSON) as a whole assistant turn writes them (harmony:
+        one call, the turn's last message, as the model writes it)."""
+        if self.harmony:
+            if len(calls) != 1:
+                raise ValueError("a harmony turn makes exactly one call")
+            name, arguments = calls[0]
+            return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}"
         return self.open + self.first + self.between.join(self.call_text(n, a) for n, a in calls) + self.last
 
 
@@ -52,14 +78,19 @@ HERMES = ToolFormat("hermes", "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\
 GENERIC = ToolFormat("generic", "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>",
                      in_template=False)
 LLAMA3 = ToolFormat("llama3", "", "", "; ", "", args_key="parameters")
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[", ", ", "]")
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[", ", ", "]", special=("[TOOL_CALLS]",))
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+# open: the recipient that makes a message a call
+HARMONY = ToolFormat("harmony", "to=functions.", "", "", "", special=HARMONY_TOKENS)
 
-FORMATS = {f.name: f for f in (HERMES, GENERIC, LLAMA3, MISTRAL)}
+FORMATS = {f.name: f for f in (HERMES, GENERIC, LLAMA3, MISTRAL, HARMONY)}
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
     """The family of ``chat_template`` (its text), generic when it has no tool support."""
     text = chat_template or ""
+    if is_harmony(text):
+        return HARMONY
     if "tools" not in text:
         return GENERIC
     if "<tool_call>" in text:
@@ -69,6 +100,29 @@ def detect_format(chat_template: str | None) -> ToolFormat:
     if "<|python_tag|>" in text or "ipython" in text:
         return LLAMA3
     return GENERIC
+
+
+def is_harmony(chat_template: str | None) -> bool:
+    """Whether the template writes OpenAI's harmony format (gpt-oss): then every chat
+    answer is channels, parsed whether or not the request has tools."""
+    text = chat_template or ""
+    return "<|channel|>" in text and "<|message|>" in text
+
+
+def marker_tokens(fmt: ToolFormat, tokenizer: Any) -> dict[str, int]:
+    """``fmt``'s markers that are one special token in ``tokenizer``: marker -> id.
+    The detokenizer drops special tokens from the text; these must stay in it, and the
+    grammar must ask for the token (a special token is never allowed as text)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    by_text = {str(getattr(tok, "content", tok)): i for i, tok in added.items()}
+    out: dict[str, int] = {}
+    for marker in fmt.special:
+        i = by_text.get(marker)
+        if i is not None and i in special:
+            out[marker] = i
+    return out
 
 
 def format_named(name: str, chat_template: str | None) -> ToolFormat:
@@ -88,6 +142,36 @@ def system_text(tools: tuple[ToolSpec, ...], fmt: ToolFormat) -> str:
                  + " (one block per call); the function's result comes back in a message of "
                    "its own.")
     return "\n".join(lines)
+
+
+def one_call_per_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Harmony's template renders one call per assistant message (``tool_calls[0]``) and
+    names a tool result after the last call before it: an assistant message with k
+    calls becomes k messages, each followed by its own result when the results come
+    right after it."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        if m["role"] != "assistant" or len(calls) < 2:
+            out.append(m)
+            i += 1
+            continue
+        j = i + 1
+        results: dict[str, dict[str, Any]] = {}
+        while j < len(messages) and messages[j]["role"] == "tool":
+            results.setdefault(messages[j]["tool_call_id"], messages[j])
+            j += 1
+        if len(results) != j - i - 1:         # a call id answered twice: keep the order as sent
+            results, j = {}, i + 1
+        for k, call in enumerate(calls):
+            out.append(dict(m, content=m["content"] if k == 0 else "", tool_calls=[call]))
+            if call["id"] in results:
+                out.append(results.pop(call["id"]))
+        out.extend(results.values())          # results of an earlier message's calls
+        i = j
+    return out
 
 
 def template_message(role: str, content: str, calls: list[tuple[str, str, str]], tool_call_id: str,
