@@ -244,6 +244,14 @@ def test_shared_prefixes_stick_to_one_replica_and_stats_sum_the_replicas() -> No
     run_cluster(["ok", "ok"], body)
 
 
+def test_every_stats_counter_is_summed_or_said_not_to_be() -> None:
+    """A field added to GetServerStatsResponse must be summed by the router (or listed as not)."""
+    from jitney.scheduler.router.servicer import NOT_SUMMED_STATS, SUMMED_STATS
+    scalars = {f.name for f in pb.GetServerStatsResponse.DESCRIPTOR.fields if f.message_type is None}
+    assert scalars == set(SUMMED_STATS) | set(NOT_SUMMED_STATS)
+    assert not set(SUMMED_STATS) & set(NOT_SUMMED_STATS)
+
+
 def test_health_follows_the_replicas() -> None:
     async def body(c: Cluster) -> None:
         for h in c.healths:
