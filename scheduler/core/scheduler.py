@@ -36,6 +36,7 @@ from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.speculative import DraftCandidate, Drafter, SpeculationPolicy, make_drafter
+from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 
 
 @dataclass
@@ -68,6 +69,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # The first plan after a failed step: the worker forgets every sequence first.
     reset: bool = False
+    # The step-cost model's model seconds for this step, when planned (None before any step is measured).
+    predicted_seconds: float | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -111,6 +114,8 @@ class Scheduler:
                                            if self._drafter is not None else None)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.acceptance_counts = [0] * (config.num_speculative_tokens + 1)
+        # Measured model times -> t = a + b T + c K (step_cost.py), for --max-step-ms and the trace.
+        self.step_cost = StepCostModel()
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -167,6 +172,8 @@ class Scheduler:
             self._admit_waiting(output)
         if self._drafter is not None:
             self._add_drafts(output)
+        if self.step_cost.num_observed:    # for the trace, beside the measured time
+            output.predicted_seconds = self.predict_step(output)
         output.freed_seq_ids, self._pending_freed = self._pending_freed, []
         for chunk in output.scheduled:
             self.block_manager.cache_full_blocks(chunk.request, chunk.start_position)
@@ -210,6 +217,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue    # preempted earlier in this step
             num_new = min(self._num_schedulable(request), self._budget_left(output))
+            num_new = self._within_step_time(request.num_computed_tokens, num_new, output)
             if num_new <= 0:
                 continue
             # Released with a chunk only: the worker learns of it from that chunk's start.
@@ -246,6 +254,9 @@ class Scheduler:
             cached, shared = self._prefix_for(request)
             num_cached = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(output))
+            num_new = self._within_step_time(num_cached, num_new, output)
+            if not num_new:
+                break   # the step's time is spent (--max-step-ms)
             if not self.block_manager.can_board(cached, num_cached + num_new):
                 break   # FCFS: nobody skips ahead
             self._waiting.pop(0)
@@ -300,6 +311,44 @@ class Scheduler:
             sample=sample, last_token_from_sample=placeholder))
         request.num_pending_samples += sample
         output.num_batched_tokens += num_new
+
+    # -- step time (--max-step-ms) --------------------------------------------
+    def _within_step_time(self, start: int, num_new: int, output: SchedulerOutput) -> int:
+        """A chunk of up to ``num_new`` tokens from position ``start``, cut so
+        the step's predicted model time stays under ``max_step_ms`` while
+        decodes ride it; the step's first prefill chunk keeps at least
+        ``min_prefill_chunk`` tokens, so a prompt always advances. Unchanged
+        when off, for one token, in a step without decodes, or before the
+        cost model has measured ``min_steps`` steps."""
+        if num_new <= 1 or not self.config.max_step_ms or not self.step_cost.ready:
+            return num_new
+        chunks = output.scheduled
+        if not any(c.sample and c.num_new_tokens == 1 for c in chunks):
+            return num_new
+        window, target = self.config.sliding_window, self.config.max_step_ms / 1000
+        tokens, keys = output.num_batched_tokens, self._step_keys(output)
+
+        def fits(n: int) -> bool:
+            return self.step_cost.predict(tokens + n, keys + chunk_keys(start, n, window)) <= target
+
+        if fits(num_new):
+            return num_new
+        fit, over = 0, num_new       # the time grows with n: bisect for the largest that fits
+        while over - fit > 1:
+            mid = (fit + over) // 2
+            fit, over = (mid, over) if fits(mid) else (fit, mid)
+        if all(c.sample and c.num_new_tokens == 1 for c in chunks):    # the step's first prefill chunk
+            fit = max(fit, min(num_new, self.config.min_prefill_chunk))
+        return fit
+
+    def predict_step(self, output: SchedulerOutput) -> float:
+        """The step-cost model's model seconds for ``output``'s chunks."""
+        return self.step_cost.predict(output.num_batched_tokens, self._step_keys(output))
+
+    def _step_keys(self, output: SchedulerOutput) -> int:
+        """Query-key pairs the attention of ``output``'s chunks computes."""
+        window = self.config.sliding_window
+        return sum(chunk_keys(c.start_position, c.num_new_tokens, window) for c in output.scheduled)
 
     # -- speculative decoding ------------------------------------------------
     def _draft_cap(self, chunk: ScheduledChunk) -> int:
@@ -371,9 +420,10 @@ class Scheduler:
         return False
 
     def observe_step_time(self, output: SchedulerOutput, model_seconds: float) -> None:
-        """A step's measured model time, for the rule's cost model."""
+        """A step's measured model time, for the rule's cost model and the step's."""
         if self.speculation is not None:
             self.speculation.cost.observe(output.num_batched_tokens, model_seconds)
+        self.step_cost.observe(output.num_batched_tokens, model_seconds, self._step_keys(output))
 
     def _verified(self, chunk: ScheduledChunk, accepted: int) -> None:
         """Count a verified chunk and roll the request back to what was accepted:
