@@ -15,13 +15,14 @@ fit, to size prefill chunks so a step with decodes stays under its target.
 The three-term fit is a robust least squares over the last ``window`` steps:
 Huber weights (residuals past ``HUBER_K`` robust sigmas count linearly, so a
 step slowed by another process does not drag the fit), coefficients kept
-non-negative, and a faint ridge pull (``prior_weight``, a thousandth of a
+non-negative, and a faint ridge pull (``prior_weight``, a millionth of a
 step) toward the prior ``(a, b, 0)`` of the two-term fit: it decides only the
 directions the window's steps leave open (all steps the same size, keys
-growing in step with tokens) and does not bias the rest (a stronger pull
-shrank a recovered ``a`` by a third: the fixed part is the weakest-determined
-term). Until ``min_steps`` steps are in, ``ready`` is False and the scheduler
-does not size steps by it (no measurement, no cap).
+growing in step with tokens) and does not bias the rest (half a step of pull
+shrank a recovered ``a`` by a third, a thousandth of a step by 0.6%: the
+fixed part is the weakest-determined term). Until ``min_steps`` steps are
+in, ``ready`` is False and the scheduler does not size steps by it (no
+measurement, no cap).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class StepCostModel:
     """
 
     def __init__(self, window: int = 64, min_variance: float = 4.0, prior_tokens: float = 32.0,
-                 min_steps: int = 8, prior_weight: float = 1e-3, refit_every: int = 4) -> None:
+                 min_steps: int = 8, prior_weight: float = 1e-6, refit_every: int = 4) -> None:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_variance = min_variance
         self.prior_tokens = prior_tokens
