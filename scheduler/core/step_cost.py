@@ -20,9 +20,11 @@ step) toward the prior ``(a, b, 0)`` of the two-term fit: it decides only the
 directions the window's steps leave open (all steps the same size, keys
 growing in step with tokens) and does not bias the rest (half a step of pull
 shrank a recovered ``a`` by a third, a thousandth of a step by 0.6%: the
-fixed part is the weakest-determined term). Until ``min_steps`` steps are
+fixed part is the weakest-determined term). Until ``min_steps`` (2) steps are
 in, ``ready`` is False and the scheduler does not size steps by it (no
-measurement, no cap).
+measurement, no cap); from there the prior carries the fit until the steps
+differ in size (the first steps of a server fill the budget: a cap must
+not wait for them to end).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 
 HUBER_K = 1.5           # residuals past this many robust sigmas weigh less
 IRLS_ROUNDS = 4         # reweighting rounds of the robust fit
+EARLY_STEPS = 16        # below this many steps measured, every step refits
 
 
 def chunk_keys(start: int, num_tokens: int, window: int = 0) -> int:
@@ -58,7 +61,7 @@ class StepCostModel:
     """
 
     def __init__(self, window: int = 64, min_variance: float = 4.0, prior_tokens: float = 32.0,
-                 min_steps: int = 8, prior_weight: float = 1e-6, refit_every: int = 4) -> None:
+                 min_steps: int = 2, prior_weight: float = 1e-6, refit_every: int = 4) -> None:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_variance = min_variance
         self.prior_tokens = prior_tokens
@@ -115,9 +118,10 @@ class StepCostModel:
 
     def fit_with_keys(self) -> tuple[float, float, float]:
         """(a, b, c): seconds per step, per token and per attended key. Fitted
-        again once ``refit_every`` steps came in (until ``min_steps``, at every
-        step): a fit costs ~0.2 ms, a step's prediction must not."""
-        stale = self._since_fit3 >= (1 if len(self._steps) <= self.min_steps else self.refit_every)
+        again once ``refit_every`` steps came in (at every step while the
+        window holds fewer than ``EARLY_STEPS``: the first steps move it most):
+        a fit costs ~0.2 ms, a step's prediction must not."""
+        stale = self._since_fit3 >= (1 if len(self._steps) < EARLY_STEPS else self.refit_every)
         if self._fit3 is None or stale:
             a, b = self.fit()
             self._fit3 = (a, b, 0.0) if not self._steps else self._robust_fit((a, b, 0.0))

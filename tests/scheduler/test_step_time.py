@@ -78,16 +78,16 @@ def test_fit_keeps_coefficients_non_negative() -> None:
 def test_prior_before_the_steps_tell() -> None:
     model = StepCostModel()
     assert not model.ready and model.fit_with_keys() == (1.0, 1.0 / 32, 0.0)
-    for _ in range(3):        # all the same size: only the two-term prior can split a from b
+    model.observe(512, 0.15, chunk_keys(0, 512))
+    assert not model.ready
+    for _ in range(2):        # all the same size: only the two-term prior can split a from b
         model.observe(512, 0.15, chunk_keys(0, 512))
+    assert model.ready
     a, b, c = model.fit_with_keys()
     assert (a, b) == pytest.approx(model.fit()) and c == pytest.approx(0.0, abs=1e-15)
     assert b == pytest.approx(0.15 / (512 + 32))
     assert model.predict(512, chunk_keys(0, 512)) == pytest.approx(0.15)
-    assert not model.ready
-    for _ in range(5):
-        model.observe(512, 0.15, chunk_keys(0, 512))
-    assert model.ready
+    assert model.predict(64, 64 * 300) < 0.15 / 2      # 64 decodes: the fixed part and 64 tokens' worth
 
 
 def test_chunk_keys_by_hand() -> None:
@@ -182,7 +182,7 @@ def test_target_keeps_predicted_steps_under_it_while_decodes_run() -> None:
 
 def test_steps_without_decodes_fill_the_budget() -> None:
     scheduler, worker = make(5.0)
-    for _ in range(8):       # a ready model that would cut a 64-token chunk (8.1 ms predicted)
+    for _ in range(4):       # a ready model that would cut a 64-token chunk (8.1 ms predicted)
         scheduler.step_cost.observe(64, true_seconds(64, chunk_keys(0, 64)), chunk_keys(0, 64))
         scheduler.step_cost.observe(8, true_seconds(8, chunk_keys(0, 8)), chunk_keys(0, 8))
     assert scheduler.step_cost.ready
