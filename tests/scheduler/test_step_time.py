@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.fake_worker import (FakeWorker, check_step_limits, make_request, reference_output,
                                        wire_plan)
+from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import Request
 from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
@@ -229,3 +230,37 @@ def test_config_and_flag_validate_max_step_ms() -> None:
     assert SchedulerProcessConfig.from_namespace(ns).max_step_ms == 60.0
     with pytest.raises(argparse.ArgumentError, match="must be a finite number >= 0"):
         parser.parse_args(["--max-step-ms", "-5"])
+
+
+def test_two_plans_in_flight_under_a_target() -> None:
+    """As the engine runs it: step N + 1 planned before N's result (its decodes
+    ride with placeholder tokens, and N's time is not in yet). Steps stay
+    under the target or at the minimum chunk, and the tokens are the reference's."""
+    target_ms = 5.0
+    scheduler, worker = make(target_ms)
+    requests = workload()
+    for request in requests:
+        scheduler.add_request(request)
+    in_flight: list[tuple[SchedulerOutput, engine_pb2.StepResult]] = []
+    planned: list[SchedulerOutput] = []
+    while scheduler.has_work() or in_flight:
+        assert len(planned) < 5000, "scheduler did not drain"
+        if len(in_flight) < 2:
+            output = scheduler.schedule()
+            check_step_limits(scheduler, output)
+            if not output.is_empty:
+                in_flight.append((output, worker.execute(wire_plan(output))))
+                planned.append(output)
+                continue
+        output, result = in_flight.pop(0)
+        scheduler.observe_step_time(output, true_seconds(output.num_batched_tokens, output_keys(output)))
+        scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        scheduler.check_invariants()
+    for request in requests:
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.sampling.max_tokens)
+    sized = [o for o in planned[4:] if decodes(o) and prefill_chunks(o)]
+    assert sized
+    for output in sized:
+        assert output.predicted_seconds is not None
+        assert (output.predicted_seconds <= target_ms / 1000
+                or prefill_chunks(output) == [min(prefill_chunks(output)[0], scheduler.config.min_prefill_chunk)])
