@@ -69,7 +69,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # The first plan after a failed step: the worker forgets every sequence first.
     reset: bool = False
-    # The step-cost model's model seconds for this step, when planned (None before any step is measured).
+    # --max-step-ms: the step-cost model's model seconds for this step, when planned.
     predicted_seconds: float | None = None
 
     @property
@@ -172,7 +172,7 @@ class Scheduler:
             self._admit_waiting(output)
         if self._drafter is not None:
             self._add_drafts(output)
-        if self.step_cost.num_observed:    # for the trace, beside the measured time
+        if self.config.max_step_ms and self.step_cost.ready:
             output.predicted_seconds = self.predict_step(output)
         output.freed_seq_ids, self._pending_freed = self._pending_freed, []
         for chunk in output.scheduled:

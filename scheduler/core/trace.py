@@ -7,9 +7,9 @@ Fields of a line:
     dur             seconds until its result was back (the step as the scheduler sees it)
     worker_s        worker time from plan received to result sent
     model_s         of which the model itself (forward + logits)
-    predicted_s     the step-cost model's model_s for the step (``step_cost.py``), as
-                    the step was planned (with --max-step-ms: what sized its chunks);
-                    null before any step was measured
+    predicted_s     the step-cost model's model_s for the step (``step_cost.py``): with
+                    --max-step-ms as the step was planned (what sized its chunks), else
+                    from the steps measured before this one's result; null before any
     seats           seq ids in the batch, in plan order
     prefill_tokens  tokens of chunks with more than one token, or not at the end (prompt work)
     decode_tokens   tokens of one-token chunks that sample, and of chunks verifying
@@ -58,6 +58,8 @@ class StepTracer:
                      if c.sample and (c.num_new_tokens == 1 or c.num_draft_tokens))
         chunks = [(c.start_position, c.num_new_tokens) for c in output.scheduled]
         predicted = output.predicted_seconds
+        if predicted is None and isinstance(scheduler, Scheduler) and scheduler.step_cost.num_observed:
+            predicted = scheduler.predict_step(output)   # off: predicted here, not on every plan
         line: dict[str, Any] = {
             "step": output.step_id,
             "t": round(started, 6),

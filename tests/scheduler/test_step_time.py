@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -264,3 +265,29 @@ def test_two_plans_in_flight_under_a_target() -> None:
         assert output.predicted_seconds is not None
         assert (output.predicted_seconds <= target_ms / 1000
                 or prefill_chunks(output) == [min(prefill_chunks(output)[0], scheduler.config.min_prefill_chunk)])
+
+
+def test_trace_records_the_prediction_beside_the_measured_time(tmp_path: Path) -> None:
+    from jitney.scheduler.core.trace import StepTracer, read_trace
+
+    for target in (0.0, 5.0):
+        scheduler, worker = make(target)
+        tracer = StepTracer(tmp_path / f"{target}.jsonl")
+        for request in workload()[:4]:
+            scheduler.add_request(request)
+        for _ in range(6):
+            output = scheduler.schedule()
+            started = tracer.now()
+            result = worker.execute(wire_plan(output))
+            measured = true_seconds(output.num_batched_tokens, output_keys(output))
+            expected = output.predicted_seconds if target else (
+                scheduler.predict_step(output) if scheduler.step_cost.num_observed else None)
+            tracer.record(output, started, measured, measured, scheduler)
+            scheduler.observe_step_time(output, measured)
+            scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        tracer.close()
+        lines = read_trace(tmp_path / f"{target}.jsonl")
+        assert lines[0]["predicted_s"] is None     # nothing measured yet
+        assert all(line["predicted_s"] is not None for line in lines[3:])
+        assert lines[-1]["predicted_s"] == pytest.approx(expected, abs=1e-6)
+        assert lines[-1]["predicted_s"] == pytest.approx(lines[-1]["model_s"], rel=1e-2)
