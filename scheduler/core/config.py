@@ -78,9 +78,11 @@ class SchedulerConfig:
     max_step_ms: float = 0.0
     """``--max-step-ms``: while decodes ride a step, its prefill chunks are
     sized so the step-cost model (``step_cost.py``) predicts the model's time
-    of the step at most this many milliseconds; the first prefill chunk of a
-    step still gets ``min_prefill_chunk`` tokens, so no prompt starves. Steps
-    without decodes fill the token budget. 0: off (chunks fill the budget)."""
+    of the step at most this many milliseconds (or 1.25x the decodes' own
+    time, where that is more: ``scheduler.PREFILL_SHARE``); the first prefill
+    chunk of a step still gets ``min_prefill_chunk`` tokens, so no prompt
+    starves. Steps without decodes fill the token budget. 0: off (chunks
+    fill the budget)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len",

@@ -38,6 +38,10 @@ from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.speculative import DraftCandidate, Drafter, SpeculationPolicy, make_drafter
 from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 
+# --max-step-ms: where the decodes alone are predicted over the target, a
+# step's prefill chunks may still add this share of their time.
+PREFILL_SHARE = 0.25
+
 
 @dataclass
 class ScheduledChunk:
@@ -316,20 +320,25 @@ class Scheduler:
     def _within_step_time(self, start: int, num_new: int, output: SchedulerOutput) -> int:
         """A chunk of up to ``num_new`` tokens from position ``start``, cut so
         the step's predicted model time stays under ``max_step_ms`` while
-        decodes ride it; the step's first prefill chunk keeps at least
-        ``min_prefill_chunk`` tokens, so a prompt always advances. Unchanged
-        when off, for one token, in a step without decodes, or before the
-        cost model has measured ``min_steps`` steps."""
+        decodes ride it, or under ``1 + PREFILL_SHARE`` times the decodes'
+        own predicted time where that is more (a target the decodes alone
+        miss would otherwise leave prompts one block a step); the step's
+        first prefill chunk keeps at least ``min_prefill_chunk`` tokens, so a
+        prompt always advances. Unchanged when off, for one token, in a step
+        without decodes, or before the cost model has measured ``min_steps``."""
         if num_new <= 1 or not self.config.max_step_ms or not self.step_cost.ready:
             return num_new
-        chunks = output.scheduled
-        if not any(c.sample and c.num_new_tokens == 1 for c in chunks):
+        window, chunks = self.config.sliding_window, output.scheduled
+        decodes = [c for c in chunks if c.sample and c.num_new_tokens == 1]
+        if not decodes:
             return num_new
-        window, target = self.config.sliding_window, self.config.max_step_ms / 1000
+        decode_time = self.step_cost.predict(
+            len(decodes), sum(chunk_keys(c.start_position, 1, window) for c in decodes))
+        limit = max(self.config.max_step_ms / 1000, (1 + PREFILL_SHARE) * decode_time)
         tokens, keys = output.num_batched_tokens, self._step_keys(output)
 
         def fits(n: int) -> bool:
-            return self.step_cost.predict(tokens + n, keys + chunk_keys(start, n, window)) <= target
+            return self.step_cost.predict(tokens + n, keys + chunk_keys(start, n, window)) <= limit
 
         if fits(num_new):
             return num_new
@@ -337,7 +346,7 @@ class Scheduler:
         while over - fit > 1:
             mid = (fit + over) // 2
             fit, over = (mid, over) if fits(mid) else (fit, mid)
-        if all(c.sample and c.num_new_tokens == 1 for c in chunks):    # the step's first prefill chunk
+        if len(decodes) == len(chunks):    # the step's first prefill chunk
             fit = max(fit, min(num_new, self.config.min_prefill_chunk))
         return fit
 

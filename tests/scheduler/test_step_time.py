@@ -17,7 +17,7 @@ from tests.support.fake_worker import (FakeWorker, check_step_limits, make_reque
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import Request
-from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
+from jitney.scheduler.core.scheduler import PREFILL_SHARE, Scheduler, SchedulerOutput
 from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 
 A, B, C = 0.002, 0.0001, 1e-6     # the fake model: 2 ms a step, 0.1 ms a token, 1 us a key
@@ -194,18 +194,26 @@ def test_steps_without_decodes_fill_the_budget() -> None:
     assert output.predicted_seconds is not None and output.predicted_seconds > 0.005
 
 
+def decode_seconds(output: SchedulerOutput) -> float:
+    """The fake model's time of the step's decodes alone."""
+    ds = [c for c in output.scheduled if c.sample and c.num_new_tokens == 1]
+    return true_seconds(len(ds), sum(chunk_keys(c.start_position, 1) for c in ds))
+
+
 def test_a_prefill_never_starves_under_a_target_no_step_can_meet() -> None:
-    """0.001 ms: even the decodes alone are over it. Each step with decodes
-    still advances its first prefill by one block, and everything finishes
-    with the reference tokens (``drive`` checks them)."""
+    """0.001 ms: even the decodes alone are over it. A step's prefill still
+    adds a quarter of the decodes' time (PREFILL_SHARE), at least one block,
+    and everything finishes with the reference tokens (``drive`` checks them)."""
     scheduler, worker = make(0.001)
     steps = drive(scheduler, worker, workload())
     limited = [o for o, ready in steps if ready and decodes(o) and prefill_chunks(o)]
     assert limited
     for output in limited:
-        chunks = prefill_chunks(output)
-        assert len(chunks) == 1 and chunks[0] <= scheduler.config.min_prefill_chunk
-    assert any(prefill_chunks(o) == [scheduler.config.min_prefill_chunk] for o in limited)
+        assert output.predicted_seconds is not None
+        within_share = output.predicted_seconds <= (1 + PREFILL_SHARE) * decode_seconds(output) * (1 + 1e-6)
+        assert within_share or prefill_chunks(output) == [min(prefill_chunks(output)[0], scheduler.config.min_prefill_chunk)]
+    # the share, not only the minimum chunk, carried the prompts: larger chunks rode too
+    assert any(sum(prefill_chunks(o)) > scheduler.config.min_prefill_chunk for o in limited)
 
 
 def test_off_plans_as_without_the_flag() -> None:
