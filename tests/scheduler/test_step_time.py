@@ -299,3 +299,24 @@ def test_trace_records_the_prediction_beside_the_measured_time(tmp_path: Path) -
         assert all(line["predicted_s"] is not None for line in lines[3:])
         assert lines[-1]["predicted_s"] == pytest.approx(expected, abs=1e-6)
         assert lines[-1]["predicted_s"] == pytest.approx(lines[-1]["model_s"], rel=1e-2)
+
+
+def test_bench_step_stats_from_a_trace() -> None:
+    """bench/step_time.py's trace summary, by hand: steps with decodes, over the
+    target, and the prediction's error (relative to the measured time)."""
+    from bench.step_time import step_stats
+
+    trace = [
+        {"decode_tokens": 0, "model_s": 0.100, "predicted_s": None},
+        {"decode_tokens": 4, "model_s": 0.050, "predicted_s": 0.055},   # +10%
+        {"decode_tokens": 4, "model_s": 0.080, "predicted_s": 0.060},   # -25%
+        {"decode_tokens": 8, "model_s": 0.040, "predicted_s": 0.040},   # 0
+    ]
+    stats = step_stats(trace, target_ms=60)
+    assert (stats["steps"], stats["steps_with_decodes"], stats["predicted_steps"]) == (4, 3, 3)
+    assert stats["decode_steps_over_target"] == 1
+    assert stats["decode_step_model_ms"] == {"p50": 50.0, "p99": 80.0, "max": 80.0}
+    assert stats["prediction_error"]["median"] == pytest.approx(0.1)
+    assert stats["prediction_error"]["p90"] == pytest.approx(0.25)
+    assert stats["prediction_error"]["mean_signed"] == pytest.approx(round((0.1 - 0.25 + 0) / 3, 3))
+    assert "decode_steps_over_target" not in step_stats(trace, target_ms=0)
