@@ -8,6 +8,7 @@ import argparse
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -306,7 +307,7 @@ def test_bench_step_stats_from_a_trace() -> None:
     target, and the prediction's error (relative to the measured time)."""
     from bench.step_time import step_stats
 
-    trace = [
+    trace: list[dict[str, Any]] = [
         {"decode_tokens": 0, "model_s": 0.100, "predicted_s": None},
         {"decode_tokens": 4, "model_s": 0.050, "predicted_s": 0.055},   # +10%
         {"decode_tokens": 4, "model_s": 0.080, "predicted_s": 0.060},   # -25%
