@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
 
-from jitney.common.arg_types import int_in, positive_float, positive_int, tcp_port
+from jitney.common.arg_types import int_in, non_negative_float, positive_float, positive_int, tcp_port
 from jitney.common.ports import bind_problem
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
@@ -88,6 +88,7 @@ class SchedulerProcessConfig:
     reasoning_parser: str = "auto"       # <think> output split off: auto (from the template), on, off
     speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix (core/speculative.py)
     num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
+    max_step_ms: float = 0.0             # a step with decodes: predicted model ms at most this; 0 = off
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -101,7 +102,8 @@ class SchedulerProcessConfig:
                    responses_store_max_mb=ns.responses_store_max_mb,
                    responses_store_max_age=ns.responses_store_max_age,
                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                   speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens)
+                   speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
+                   max_step_ms=ns.max_step_ms)
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -140,6 +142,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                         default=4, metavar="K",
                         help="the most drafts one sequence verifies in a step (default 4; must be below "
                              "the step budget)")
+    parser.add_argument("--max-step-ms", type=non_negative_float, default=0.0, metavar="MS",
+                        help="while decodes run, cut each step's prefill chunks so the model's predicted "
+                             "time of the step (a cost model fitted to measured steps) stays under MS "
+                             "milliseconds: shorter token stalls for streaming users while long prompts "
+                             "prefill; the first prefill chunk of a step still gets one KV block. "
+                             "0 = off (default): chunks fill the token budget")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     add_model_setting_arguments(parser)
@@ -398,6 +406,7 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         enable_prefix_caching=cfg.prefix_cache,
         speculative=cfg.speculative,
         num_speculative_tokens=cfg.num_speculative_tokens,
+        max_step_ms=cfg.max_step_ms,
     )
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)

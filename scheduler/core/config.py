@@ -7,6 +7,7 @@ written back here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -74,6 +75,15 @@ class SchedulerConfig:
     (``--num-speculative-tokens``, 1..64); the load-adaptive rule drafts fewer,
     or none."""
 
+    max_step_ms: float = 0.0
+    """``--max-step-ms``: while decodes ride a step, its prefill chunks are
+    sized so the step-cost model (``step_cost.py``) predicts the model's time
+    of the step at most this many milliseconds (or 1.25x the decodes' own
+    time, where that is more: ``scheduler.PREFILL_SHARE``); the first prefill
+    chunk of a step still gets ``min_prefill_chunk`` tokens, so no prompt
+    starves. Steps without decodes fill the token budget. 0: off (chunks
+    fill the budget)."""
+
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
@@ -92,6 +102,9 @@ class SchedulerConfig:
                 self.speculative != "off" and k >= self.max_num_batched_tokens):
             raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS} and "
                              f"below max_num_batched_tokens ({self.max_num_batched_tokens}), got {k!r}")
+        ms = self.max_step_ms
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+            raise ValueError(f"max_step_ms must be a finite number >= 0 (0 = off), got {ms!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
@@ -104,6 +117,12 @@ class SchedulerConfig:
                 f"blocks of {self.block_size}), fewer than one sequence of max_model_len "
                 f"({self.max_model_len}) may hold ({needed} blocks, sliding window "
                 f"{self.sliding_window}); lower max_model_len")
+
+    @property
+    def min_prefill_chunk(self) -> int:
+        """Under ``max_step_ms``, the tokens the first prefill chunk of a step
+        always gets (or what its prompt has left): one KV block."""
+        return self.block_size
 
     @property
     def pool_blocks(self) -> int:

@@ -36,6 +36,11 @@ from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.speculative import DraftCandidate, Drafter, SpeculationPolicy, make_drafter
+from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
+
+# --max-step-ms: where the decodes alone are predicted over the target, a
+# step's prefill chunks may still add this share of their time.
+PREFILL_SHARE = 0.25
 
 
 @dataclass
@@ -68,6 +73,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # The first plan after a failed step: the worker forgets every sequence first.
     reset: bool = False
+    # --max-step-ms: the step-cost model's model seconds for this step, when planned.
+    predicted_seconds: float | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -111,6 +118,8 @@ class Scheduler:
                                            if self._drafter is not None else None)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.acceptance_counts = [0] * (config.num_speculative_tokens + 1)
+        # Measured model times -> t = a + b T + c K (step_cost.py), for --max-step-ms and the trace.
+        self.step_cost = StepCostModel()
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -167,6 +176,8 @@ class Scheduler:
             self._admit_waiting(output)
         if self._drafter is not None:
             self._add_drafts(output)
+        if self.config.max_step_ms and self.step_cost.ready:
+            output.predicted_seconds = self.predict_step(output)
         output.freed_seq_ids, self._pending_freed = self._pending_freed, []
         for chunk in output.scheduled:
             self.block_manager.cache_full_blocks(chunk.request, chunk.start_position)
@@ -210,6 +221,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue    # preempted earlier in this step
             num_new = min(self._num_schedulable(request), self._budget_left(output))
+            num_new = self._within_step_time(request.num_computed_tokens, num_new, output)
             if num_new <= 0:
                 continue
             # Released with a chunk only: the worker learns of it from that chunk's start.
@@ -246,6 +258,9 @@ class Scheduler:
             cached, shared = self._prefix_for(request)
             num_cached = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(output))
+            num_new = self._within_step_time(num_cached, num_new, output)
+            if not num_new:
+                break   # the step's time is spent (--max-step-ms)
             if not self.block_manager.can_board(cached, num_cached + num_new):
                 break   # FCFS: nobody skips ahead
             self._waiting.pop(0)
@@ -300,6 +315,49 @@ class Scheduler:
             sample=sample, last_token_from_sample=placeholder))
         request.num_pending_samples += sample
         output.num_batched_tokens += num_new
+
+    # -- step time (--max-step-ms) --------------------------------------------
+    def _within_step_time(self, start: int, num_new: int, output: SchedulerOutput) -> int:
+        """A chunk of up to ``num_new`` tokens from position ``start``, cut so
+        the step's predicted model time stays under ``max_step_ms`` while
+        decodes ride it, or under ``1 + PREFILL_SHARE`` times the decodes'
+        own predicted time where that is more (a target the decodes alone
+        miss would otherwise leave prompts one block a step); the step's
+        first prefill chunk keeps at least ``min_prefill_chunk`` tokens, so a
+        prompt always advances. Unchanged when off, for one token, in a step
+        without decodes, or before the cost model has measured ``min_steps``."""
+        if num_new <= 1 or not self.config.max_step_ms or not self.step_cost.ready:
+            return num_new
+        window, chunks = self.config.sliding_window, output.scheduled
+        decodes = [c for c in chunks if c.sample and c.num_new_tokens == 1]
+        if not decodes:
+            return num_new
+        decode_time = self.step_cost.predict(
+            len(decodes), sum(chunk_keys(c.start_position, 1, window) for c in decodes))
+        limit = max(self.config.max_step_ms / 1000, (1 + PREFILL_SHARE) * decode_time)
+        tokens, keys = output.num_batched_tokens, self._step_keys(output)
+
+        def fits(n: int) -> bool:
+            return self.step_cost.predict(tokens + n, keys + chunk_keys(start, n, window)) <= limit
+
+        if fits(num_new):
+            return num_new
+        fit, over = 0, num_new       # the time grows with n: bisect for the largest that fits
+        while over - fit > 1:
+            mid = (fit + over) // 2
+            fit, over = (mid, over) if fits(mid) else (fit, mid)
+        if len(decodes) == len(chunks):    # the step's first prefill chunk
+            fit = max(fit, min(num_new, self.config.min_prefill_chunk))
+        return fit
+
+    def predict_step(self, output: SchedulerOutput) -> float:
+        """The step-cost model's model seconds for ``output``'s chunks."""
+        return self.step_cost.predict(output.num_batched_tokens, self._step_keys(output))
+
+    def _step_keys(self, output: SchedulerOutput) -> int:
+        """Query-key pairs the attention of ``output``'s chunks computes."""
+        window = self.config.sliding_window
+        return sum(chunk_keys(c.start_position, c.num_new_tokens, window) for c in output.scheduled)
 
     # -- speculative decoding ------------------------------------------------
     def _draft_cap(self, chunk: ScheduledChunk) -> int:
@@ -371,9 +429,10 @@ class Scheduler:
         return False
 
     def observe_step_time(self, output: SchedulerOutput, model_seconds: float) -> None:
-        """A step's measured model time, for the rule's cost model."""
+        """A step's measured model time, for the rule's cost model and the step's."""
         if self.speculation is not None:
             self.speculation.cost.observe(output.num_batched_tokens, model_seconds)
+        self.step_cost.observe(output.num_batched_tokens, model_seconds, self._step_keys(output))
 
     def _verified(self, chunk: ScheduledChunk, accepted: int) -> None:
         """Count a verified chunk and roll the request back to what was accepted:

@@ -35,13 +35,13 @@ nothing.
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
 from jitney.scheduler.core.request import Request
+from jitney.scheduler.core.step_cost import StepCostModel
 
 SpeculativeMethod = Literal["off", "ngram", "suffix"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
@@ -228,55 +228,6 @@ def make_drafter(method: SpeculativeMethod) -> Drafter | None:
     if method == "suffix":
         return SuffixDrafter()
     raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
-
-
-class StepCostModel:
-    """``t(T) = a + b * T`` fitted by least squares to the model times of the
-    last ``window`` steps (T = tokens computed). Until those steps' token
-    counts spread (variance < ``min_variance``) the slope is the prior
-    ``mean_t / (mean_T + prior_tokens)``: a step that would double in time
-    only ``prior_tokens`` tokens past its size."""
-
-    def __init__(self, window: int = 64, min_variance: float = 4.0, prior_tokens: float = 32.0) -> None:
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
-        self.min_variance = min_variance
-        self.prior_tokens = prior_tokens
-        self._fit: tuple[float, float] | None = None   # until the next step is observed
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0 and math.isfinite(seconds) and seconds > 0:
-            self._steps.append((num_tokens, seconds))
-            self._fit = None
-
-    @property
-    def num_observed(self) -> int:
-        return len(self._steps)
-
-    def fit(self) -> tuple[float, float]:
-        """(a, b): seconds per step and per token. Before any step is measured,
-        a step of 1 s that doubles at ``prior_tokens`` tokens (only the ratio
-        of the two matters to the rule, until the engine's overhead is known)."""
-        if self._fit is None:
-            self._fit = self._least_squares()
-        return self._fit
-
-    def _least_squares(self) -> tuple[float, float]:
-        n = len(self._steps)
-        if not n:
-            return 1.0, 1.0 / self.prior_tokens
-        mean_x = sum(x for x, _ in self._steps) / n
-        mean_y = sum(y for _, y in self._steps) / n
-        var = sum((x - mean_x) ** 2 for x, _ in self._steps) / n
-        if var >= self.min_variance:
-            cov = sum((x - mean_x) * (y - mean_y) for x, y in self._steps) / n
-            b = max(0.0, cov / var)
-        else:
-            b = mean_y / (mean_x + self.prior_tokens)
-        return max(0.0, mean_y - b * mean_x), b
-
-    def seconds(self, num_tokens: int) -> float:
-        a, b = self.fit()
-        return a + b * num_tokens
 
 
 @dataclass

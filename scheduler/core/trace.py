@@ -7,6 +7,9 @@ Fields of a line:
     dur             seconds until its result was back (the step as the scheduler sees it)
     worker_s        worker time from plan received to result sent
     model_s         of which the model itself (forward + logits)
+    predicted_s     the step-cost model's model_s for the step (``step_cost.py``): with
+                    --max-step-ms as the step was planned (what sized its chunks), else
+                    from the steps measured before this one's result; null before any
     seats           seq ids in the batch, in plan order
     prefill_tokens  tokens of chunks with more than one token, or not at the end (prompt work)
     decode_tokens   tokens of one-token chunks that sample, and of chunks verifying
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
+from jitney.scheduler.core.step_cost import chunk_keys
 
 
 class StepTracer:
@@ -53,12 +57,16 @@ class StepTracer:
         decode = sum(c.num_new_tokens for c in output.scheduled
                      if c.sample and (c.num_new_tokens == 1 or c.num_draft_tokens))
         chunks = [(c.start_position, c.num_new_tokens) for c in output.scheduled]
+        predicted = output.predicted_seconds
+        if predicted is None and isinstance(scheduler, Scheduler) and scheduler.step_cost.num_observed:
+            predicted = scheduler.predict_step(output)   # off: predicted here, not on every plan
         line: dict[str, Any] = {
             "step": output.step_id,
             "t": round(started, 6),
             "dur": round(self.now() - started, 6),
             "worker_s": round(worker_s, 6),
             "model_s": round(model_s, 6),
+            "predicted_s": None if predicted is None else round(predicted, 6),
             "seats": [c.request.seq_id for c in output.scheduled],
             "prefill_tokens": output.num_batched_tokens - decode,
             "decode_tokens": decode,
@@ -66,7 +74,7 @@ class StepTracer:
             "accepted_tokens": accepted_tokens,
             "samples": sum(1 for c in output.scheduled if c.sample),
             "context_tokens": sum(start + n for start, n in chunks),
-            "attended_keys": sum(n * start + n * (n + 1) // 2 for start, n in chunks),
+            "attended_keys": sum(chunk_keys(start, n) for start, n in chunks),
             "waiting": scheduler.num_waiting,
             "running": scheduler.num_running,
             "kv_blocks_used": scheduler.block_manager.num_used_blocks,
