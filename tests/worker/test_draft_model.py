@@ -105,9 +105,9 @@ def test_engine_output_is_the_same_with_a_draft_model(model: Path, random_draft:
     sched = engine.scheduler
     assert sched.num_drafts > 0
     if which == "random":
-        assert sched.num_accepted_tokens < sched.num_draft_tokens // 2
-    else:   # greedy requests accept every draft; the sampled ones less
-        assert sched.num_accepted_tokens > sched.num_draft_tokens // 2
+        assert sched.num_accepted_tokens < sched.num_draft_tokens // 8
+    else:   # greedy requests accept every draft, the sampled and biased ones fewer
+        assert sched.num_accepted_tokens > sched.num_draft_tokens // 8
     _check_no_leak(runner, sched)
 
 
@@ -128,7 +128,8 @@ def _drive(runner: ModelRunner, sched: Scheduler, requests: list[Request], *, ca
     while sched.has_work():
         output = sched.schedule()
         plan = engine_pb2.StepPlan.FromString(
-            to_step_plan(output, frozenset({EOS_TOKEN_ID}), draft_model=True).SerializeToString())
+            to_step_plan(output, frozenset({EOS_TOKEN_ID}),
+                         draft_model=sched.config.speculative == "draft").SerializeToString())
         result = runner.execute(plan)
         sched.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
         sched.take_proposals([(p.seq_id, p.start_position, p.token_ids) for p in result.proposals],
@@ -175,14 +176,16 @@ def test_random_draft_rolls_back_and_frees_on_cancel_and_preemption(model: Path,
     """Mostly rejected drafts (each step's catch-up recomputes from the accepted
     tokens), a cancelled request, preemptions in a small cache, then a reset:
     the same output as off for the others, every draft block back."""
-    runner = make_runner(model, random_draft, num_blocks=14)
-    reference = _drive(make_runner(model, None, num_blocks=14),
+    runner = make_runner(model, random_draft, num_blocks=10)
+    reference = _drive(make_runner(model, None, num_blocks=10),
                        Scheduler(scheduler_config(runner, "off")), _greedy_requests(), check=False)
     sched = Scheduler(scheduler_config(runner, "draft", k=4), frozenset({EOS_TOKEN_ID}), speculation=AlwaysDraft(4))
-    got = _drive(runner, sched, _greedy_requests(), cancel=2)
+    requests = _greedy_requests()
+    got = _drive(runner, sched, requests, cancel=2)
     assert got[0] == reference[0] and got[2] == reference[2]
     assert got[1] == reference[1][:len(got[1])] and len(got[1]) < len(reference[1])
-    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
+    assert sched.num_accepted_tokens < sched.num_draft_tokens // 4 and sched.num_draft_tokens > 0
+    assert any(r.num_preemptions for r in requests)
     _check_no_leak(runner, sched)
     # After a failed step the scheduler resets the worker: the draft forgets everything too.
     sched2 = Scheduler(scheduler_config(runner, "draft", k=4), frozenset({EOS_TOKEN_ID}), speculation=AlwaysDraft(4))
