@@ -319,7 +319,7 @@ def test_scheduler_asks_for_proposals_and_drafts_them() -> None:
     """``--speculative draft``: a sampling chunk asks the worker for as many
     proposals as the next step may verify (never past max_tokens); the proposals
     that come back are drafted at the next step and verified as any drafts."""
-    from tests.worker.test_speculative_runner import AlwaysDraft
+    from tests.support.speculation_engine import AlwaysDraft
 
     sched = Scheduler(_config("draft", num_speculative_tokens=3), speculation=AlwaysDraft(3))
     request = make_request(1, [5, 6, 7], max_tokens=4)

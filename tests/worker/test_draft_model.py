@@ -28,14 +28,15 @@ from jitney.scheduler.core.plan import to_step_plan
 from jitney.scheduler.core.request import FinishReason, Request
 from jitney.scheduler.core.scheduler import Scheduler
 from jitney.scheduler.core.speculative import ModelDrafter
+from jitney.scheduler.core.trace import StepTracer, read_trace
 from jitney.worker.config import WorkerConfig
 from jitney.worker.models.config import UnsupportedModelError
 from jitney.worker.runner.model_runner import ModelRunner
 from jitney.worker.runner.plan_checks import PlanError
 from tests.support.fake_worker import make_request
 from tests.support.tiny_models import EOS_TOKEN_ID, make_tiny_llama
-from tests.worker.test_speculative_runner import (BLOCK, BUDGET, SEATS, VOCAB, AlwaysDraft, Collected, _serve,
-                                                  scheduler_config)
+from tests.support.speculation_engine import (BLOCK, BUDGET, SEATS, VOCAB, AlwaysDraft, Collected,
+                                              check_visibility, scheduler_config, serve_requests)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def reference(model: Path, tokenizer: Any) -> dict[int, Collected]:
     out = {}
     for num_blocks in (96, 24):
         runner = make_runner(model, None, num_blocks)
-        out[num_blocks], _ = asyncio.run(_serve(runner, scheduler_config(runner, "off"), tokenizer, True, ("zz",)))
+        out[num_blocks], _ = asyncio.run(serve_requests(runner, scheduler_config(runner, "off"), tokenizer, True, ("zz",)))
     return out
 
 
@@ -89,13 +90,17 @@ def _check_no_leak(runner: ModelRunner, sched: Scheduler) -> None:
                               "self-preempting"])
 def test_engine_output_is_the_same_with_a_draft_model(model: Path, random_draft: Path, tokenizer: Any,
                                                       reference: dict[int, Collected], which: str, batched: bool,
-                                                      num_blocks: int) -> None:
+                                                      num_blocks: int, tmp_path: Path) -> None:
     """Every proposal asked for and verified (AlwaysDraft: the rule reads measured
-    times); the tokens, logprobs, text and finish reasons are those of off."""
+    times); the tokens, logprobs, text and finish reasons are those of off; the
+    trace, the spec_decode_* metrics and the scheduler count the same drafts."""
     runner = make_runner(model, model if which == "self" else random_draft, num_blocks)
     assert runner.ready_message().draft_model
     config = scheduler_config(runner, "draft", k=4)
-    got, engine = asyncio.run(_serve(runner, config, tokenizer, batched, ("zz",)))
+    tracer = StepTracer(tmp_path / "draft.jsonl")
+    got, engine = asyncio.run(serve_requests(runner, config, tokenizer, batched, ("zz",), tracer=tracer))
+    tracer.close()
+    check_visibility(engine, read_trace(tmp_path / "draft.jsonl"))
     # The stream ends before the plan that frees the last requests: one more plan brings it.
     runner.execute(to_step_plan(engine.scheduler.schedule(), frozenset({EOS_TOKEN_ID}), draft_model=True))
     off = reference[num_blocks]
