@@ -155,7 +155,11 @@ def run_case(case: str, method: str, model: str | None, limit: int | None, tmp: 
            "output_tok_s": round(summary["output_tok_s"], 2), "errors": summary["errors"], **stats}
     if stats["draft_tokens"]:
         out["acceptance_rate"] = round(stats["accepted_tokens"] / stats["draft_tokens"], 3)
-    out["per_load"] = _per_load(read_trace(trace))
+    steps = read_trace(trace)
+    out["per_load"] = _per_load(steps)
+    drafted = [s["step"] for s in steps if s.get("draft_tokens")]
+    out["drafted_steps"] = len(drafted)          # the rule switching drafts off: none after the last
+    out["last_drafted_step"] = max(drafted, default=0)
     out["_tokens"] = tokens
     return out
 
@@ -180,9 +184,8 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             off, on = results[case]["off"], results[case]["draft"]
             key = case.replace("-", "_")
             verdict[f"{key}_wall_ratio_draft_over_off"] = round(on["wall_s"] / off["wall_s"], 3)
-            loads = on["per_load"].values()
-            verdict[f"{key}_steps_that_drafted"] = sum(
-                round(v["steps"] * v["draft_tokens_per_step"]) > 0 for v in loads)
+            verdict[f"{key}_drafted_steps_of_all"] = f"{on['drafted_steps']} of {on['steps']}"
+            verdict[f"{key}_last_drafted_step"] = on["last_drafted_step"]
     return verdict
 
 
