@@ -174,6 +174,7 @@ def test_self_draft_accepts_every_greedy_draft_and_follows_the_sequences(model: 
     assert _drive(runner, sched, _greedy_requests()) == off
     assert sched.num_draft_tokens > 20
     assert sched.num_accepted_tokens == sched.num_draft_tokens
+    assert sched.speculation is not None and sched.speculation.draft_seconds_per_token > 0   # its cost, measured
     _check_no_leak(runner, sched)
 
 
