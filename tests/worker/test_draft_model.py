@@ -4,7 +4,8 @@ worker's draft model proposes, the scheduler verifies as for every drafter.
 - the Engine's output (ids, logprobs, top logprobs, text) equals
   ``--speculative off`` bit for bit, with a random 2-layer draft of the
   target's shape (little accepted) and with the target itself as its own
-  draft (every greedy draft accepted: the path is wired right), batched,
+  draft (every greedy draft accepted: the path is wired right), with a stop
+  string, n = 2, penalties and seeded sampling in the mix, batched,
   alone and preempting; the draft's blocks all come back;
 - the draft's cache follows the sequence: rolled back to the accepted
   tokens, freed on finish, cancel and preemption, rebuilt after a reset;
@@ -65,12 +66,22 @@ def tokenizer(model: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference(model: Path, tokenizer: Any) -> dict[int, Collected]:
+def stop(model: Path, tokenizer: Any) -> tuple[str, ...]:
+    """A stop string from the middle of the last request's text (so a stop ends it)."""
+    runner = make_runner(model, None)
+    out, _ = asyncio.run(serve_requests(runner, scheduler_config(runner, "off"), tokenizer, True, ("zz",)))
+    text = out.text[500]
+    return (text[len(text) // 2:len(text) // 2 + 3],)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tokenizer: Any, stop: tuple[str, ...]) -> dict[int, Collected]:
     """--speculative off, per cache size (preemptions change nothing in the output)."""
     out = {}
     for num_blocks in (96, 24):
         runner = make_runner(model, None, num_blocks)
-        out[num_blocks], _ = asyncio.run(serve_requests(runner, scheduler_config(runner, "off"), tokenizer, True, ("zz",)))
+        out[num_blocks], _ = asyncio.run(serve_requests(runner, scheduler_config(runner, "off"), tokenizer, True, stop))
+        assert out[num_blocks].finish[500] is FinishReason.STOP_SEQUENCE    # the stop string is exercised
     return out
 
 
@@ -89,7 +100,8 @@ def _check_no_leak(runner: ModelRunner, sched: Scheduler) -> None:
                          ids=["random-batched", "self-batched", "self-alone", "random-preempting",
                               "self-preempting"])
 def test_engine_output_is_the_same_with_a_draft_model(model: Path, random_draft: Path, tokenizer: Any,
-                                                      reference: dict[int, Collected], which: str, batched: bool,
+                                                      reference: dict[int, Collected], stop: tuple[str, ...],
+                                                      which: str, batched: bool,
                                                       num_blocks: int, tmp_path: Path) -> None:
     """Every proposal asked for and verified (AlwaysDraft: the rule reads measured
     times); the tokens, logprobs, text and finish reasons are those of off; the
@@ -98,7 +110,7 @@ def test_engine_output_is_the_same_with_a_draft_model(model: Path, random_draft:
     assert runner.ready_message().draft_model
     config = scheduler_config(runner, "draft", k=4)
     tracer = StepTracer(tmp_path / "draft.jsonl")
-    got, engine = asyncio.run(serve_requests(runner, config, tokenizer, batched, ("zz",), tracer=tracer))
+    got, engine = asyncio.run(serve_requests(runner, config, tokenizer, batched, stop, tracer=tracer))
     tracer.close()
     check_visibility(engine, read_trace(tmp_path / "draft.jsonl"))
     # The stream ends before the plan that frees the last requests: one more plan brings it.
