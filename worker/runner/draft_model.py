@@ -52,6 +52,9 @@ class _Sequence:
     known: list[int] = field(default_factory=list)    # the sequence's tokens, positions 0..
     cached: list[int] = field(default_factory=list)   # tokens whose K/V the draft cache holds
     blocks: list[int] = field(default_factory=list)   # its draft block table
+    # cached[:checked] == known[:checked], found so: a sequence's known tokens change only
+    # from its last computed position on, which is past those the draft caught up on.
+    checked: int = 0
     lost: bool = False   # its history is not known (cannot be drafted)
 
 
@@ -179,10 +182,12 @@ class DraftModel:
         """Cut the cache's tokens to their common prefix with the known ones (the last
         known token is always computed again: its logits give the first guess) and hold
         blocks for ``positions`` positions; False (nothing held) if the pool is short."""
-        valid, limit = 0, min(len(seq.cached), len(seq.known) - 1)
+        limit = min(len(seq.cached), len(seq.known) - 1)
+        valid = min(seq.checked, limit)
         while valid < limit and seq.cached[valid] == seq.known[valid]:
             valid += 1
         del seq.cached[valid:]
+        seq.checked = valid
         needed = -(-positions // self.config.block_size) - len(seq.blocks)
         if needed > len(self._free_blocks):
             return False
@@ -211,6 +216,7 @@ class DraftModel:
                 done = start + n == len(seq.known)
                 chunks.append(StepChunk(sid, start, seq.known[start:start + n], done, len(chunks)))
                 seq.cached.extend(seq.known[start:start + n])
+                seq.checked = len(seq.cached)
                 left -= n
                 if not done:
                     rest.append((sid, start + n))
