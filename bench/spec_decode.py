@@ -1,4 +1,5 @@
-"""Speculative decoding on the default model: `--speculative off` against `ngram`.
+"""Speculative decoding on the default model: `--speculative off` against `ngram`
+(and against `draft`, a draft model run by the worker).
 
 Each case runs on a fresh `jitney serve` per method (same flags otherwise,
 a step trace on), replaying a workload with `jitney bench`'s client (greedy,
@@ -8,6 +9,15 @@ ignore_eos, exactly max_tokens tokens each):
     edit-alone    spec-edit-32.jsonl    1             TPOT(ngram) <= TPOT(off) / 2
     edit-all      spec-edit-32.jsonl    all at once   wall(ngram) <= wall(off)
     offline       offline-64.jsonl      all at once   wall(ngram) <= 1.03 x wall(off)
+    draft-alone   spec-edit-32.jsonl    1             overhead of a useless draft (draft vs off)
+    draft-all     spec-edit-32.jsonl    all at once   the same at load
+
+The draft cases run `--speculative draft --draft-model DIR` with a 2-layer
+draft of the default model's shape (random weights, built in a temporary
+folder: the model's config with 2 layers, its tokenizer): its drafts are
+almost never accepted, so the case shows what the draft costs and the
+adaptive rule switching it off (the drafts per step fall to 0 once its
+acceptance and its measured time per token are known).
 
 Reported per case and method: wall, TPOT, output tokens/s; with ngram the
 drafts, draft tokens and accepted tokens (GetServerStats), the acceptance
@@ -16,7 +26,7 @@ running requests, the steps, the draft tokens per step and the accepted
 tokens per step. Outputs are compared too: the token ids of every request
 must be equal between the methods (greedy: exactness).
 
-    python bench/spec_decode.py [--cases edit-alone edit-all offline] [--limit N]
+    python bench/spec_decode.py [--cases edit-alone edit-all offline draft-alone draft-all] [--limit N]
                                 [--num-speculative-tokens K] [--json PATH]
 
 ``--limit N`` replays only the first N requests of each workload (a short
@@ -47,12 +57,30 @@ from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.server_harness import running_server  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
-CASES = {  # case -> (workload file, max concurrency; None = all at once)
-    "edit-alone": ("spec-edit-32.jsonl", 1),
-    "edit-all": ("spec-edit-32.jsonl", None),
-    "offline": ("offline-64.jsonl", None),
+CASES = {  # case -> (workload file, max concurrency (None = all at once), the methods compared)
+    "edit-alone": ("spec-edit-32.jsonl", 1, ("off", "ngram")),
+    "edit-all": ("spec-edit-32.jsonl", None, ("off", "ngram")),
+    "offline": ("offline-64.jsonl", None, ("off", "ngram")),
+    "draft-alone": ("spec-edit-32.jsonl", 1, ("off", "draft")),
+    "draft-all": ("spec-edit-32.jsonl", None, ("off", "draft")),
 }
-METHODS = ("off", "ngram")
+
+
+def build_random_draft(model: str | None, folder: Path, num_layers: int = 2) -> Path:
+    """A ``num_layers`` draft of ``model``'s shape with random weights and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
+    from jitney.worker.loading.loader import load_hf_config
+
+    files = resolve_model(model)
+    config = load_hf_config(files)
+    config.num_hidden_layers = num_layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(folder), safe_serialization=True)
+    load_tokenizer(files, cache_root()).save_pretrained(str(folder))
+    return folder
 
 
 async def _replay(target: str, items: list[WorkItem], concurrency: int | None) -> tuple[dict[str, Any], dict[str, list[int]]]:
@@ -105,10 +133,15 @@ def _per_load(trace: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
 
 def run_case(case: str, method: str, model: str | None, limit: int | None, tmp: Path,
              k: int | None = None) -> dict[str, Any]:
-    workload, concurrency = CASES[case]
+    workload, concurrency, _ = CASES[case]
     items = load_workload(WORKLOADS / workload)[:limit]
     trace = tmp / f"{case}-{method}.jsonl"
     args = ["--speculative", method, "--trace", str(trace)] + (["--model", model] if model else [])
+    if method == "draft":
+        draft = tmp / "draft-2-layers"
+        if not draft.is_dir():
+            build_random_draft(model, draft)
+        args += ["--draft-model", str(draft)]
     if k is not None and method != "off":
         args += ["--num-speculative-tokens", str(k)]
     with running_server(args, tmp) as server:
@@ -122,7 +155,11 @@ def run_case(case: str, method: str, model: str | None, limit: int | None, tmp: 
            "output_tok_s": round(summary["output_tok_s"], 2), "errors": summary["errors"], **stats}
     if stats["draft_tokens"]:
         out["acceptance_rate"] = round(stats["accepted_tokens"] / stats["draft_tokens"], 3)
-    out["per_load"] = _per_load(read_trace(trace))
+    steps = read_trace(trace)
+    out["per_load"] = _per_load(steps)
+    drafted = [s["step"] for s in steps if s.get("draft_tokens")]
+    out["drafted_steps"] = len(drafted)          # the rule switching drafts off: none after the last
+    out["last_drafted_step"] = max(drafted, default=0)
     out["_tokens"] = tokens
     return out
 
@@ -142,6 +179,13 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         off, on = results["offline"]["off"], results["offline"]["ngram"]
         verdict["offline_wall_ratio_ngram_over_off"] = round(on["wall_s"] / off["wall_s"], 3)
         verdict["offline_within_3pct"] = on["wall_s"] <= 1.03 * off["wall_s"]
+    for case in ("draft-alone", "draft-all"):
+        if case in results:
+            off, on = results[case]["off"], results[case]["draft"]
+            key = case.replace("-", "_")
+            verdict[f"{key}_wall_ratio_draft_over_off"] = round(on["wall_s"] / off["wall_s"], 3)
+            verdict[f"{key}_drafted_steps_of_all"] = f"{on['drafted_steps']} of {on['steps']}"
+            verdict[f"{key}_last_drafted_step"] = on["last_drafted_step"]
     return verdict
 
 
@@ -151,23 +195,24 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="only the first N requests of each workload")
     ap.add_argument("--model", default=None, help="model folder (default: the bundled default model)")
     ap.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                    help="K for the ngram runs (default: the server's)")
+                    help="K for the ngram and draft runs (default: the server's)")
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
     results: dict[str, dict[str, Any]] = {}
     same = True
     with tempfile.TemporaryDirectory() as tmp:
         for case in ns.cases:
+            methods = CASES[case][2]
             results[case] = {m: run_case(case, m, ns.model, ns.limit, Path(tmp), ns.num_speculative_tokens)
-                             for m in METHODS}
-            tokens = [results[case][m].pop("_tokens") for m in METHODS]
+                             for m in methods}
+            tokens = [results[case][m].pop("_tokens") for m in methods]
             results[case]["same_tokens"] = tokens[0] == tokens[1]
             same &= tokens[0] == tokens[1]
     report = {"cases": results, "targets": targets(results)}
     print(json.dumps(report, indent=2))
     if ns.json:
         ns.json.write_text(json.dumps(report, indent=2))
-    return 0 if same and not any(results[c][m]["errors"] for c in results for m in METHODS) else 1
+    return 0 if same and not any(results[c][m]["errors"] for c in results for m in CASES[c][2]) else 1
 
 
 if __name__ == "__main__":

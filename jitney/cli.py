@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             and ns.speculative != "off" and ns.num_speculative_tokens >= ns.max_num_batched_tokens):
         parser.error(f"--num-speculative-tokens ({ns.num_speculative_tokens}) must be below "
                      f"--max-num-batched-tokens ({ns.max_num_batched_tokens})")
+    if ns.command == "serve" and (ns.speculative == "draft") != (ns.draft_model is not None):
+        parser.error("--speculative draft and --draft-model PATH go together (the draft model proposes, "
+                     "the scheduler verifies)")
     if ns.command in ("serve", "scheduler") and (problem := _security_problem(ns)):
         print(f"jitney {ns.command}: {problem}", file=sys.stderr, flush=True)
         return 2

@@ -40,7 +40,7 @@ from jitney.scheduler.security.tls import (SecurityError, ServerSecurity, add_se
                                        exposure_warning, listen_grpc, load_security, security_fields)
 from jitney.scheduler.lifecycle import Lifecycle, add_production_arguments, production_fields
 from jitney.scheduler.core.trace import StepTracer
-from jitney.scheduler.core.worker_link import WorkerLink
+from jitney.scheduler.core.worker_link import WorkerLink, WorkerLinkError
 
 if TYPE_CHECKING:
     from jitney.scheduler.api.http.openai_responses.store import StoreConfig
@@ -86,7 +86,7 @@ class SchedulerProcessConfig:
     responses_store_max_age: float = 30 * 24 * 3600.0  # seconds a stored response is kept
     tool_call_parser: str = "auto"       # tool-call format: auto (from the chat template) or a family
     reasoning_parser: str = "auto"       # <think> output split off: auto (from the template), on, off
-    speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix (core/speculative.py)
+    speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix | draft (core/speculative.py)
     num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
     max_step_ms: float = 0.0             # a step with decodes: predicted model ms at most this; 0 = off
 
@@ -135,7 +135,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
     parser.add_argument("--speculative", choices=SPECULATIVE_METHODS, default="off",
                         help="speculative decoding: off (default); ngram (drafts looked up in the "
                              "sequence's own prompt and output) or suffix (also in the recent finished "
-                             "sequences of its cache_salt); drafts are verified inside the batch (the same "
+                             "sequences of its cache_salt) or draft (a small model's greedy tokens, run by the "
+                             "worker: needs the worker's --draft-model); drafts are verified inside the batch (the same "
                              "tokens and logprobs as off) and made only while they pay at the current load")
     parser.add_argument("--num-speculative-tokens", type=int_in(1, MAX_SPECULATIVE_TOKENS,
                                                                 meaning=f"an integer in 1..{MAX_SPECULATIVE_TOKENS}"),
@@ -393,6 +394,8 @@ def _door_security(security: ServerSecurity) -> str:
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,
                  ready: engine_pb2.Ready, tracer: StepTracer | None) -> Engine:
+    if (cfg.speculative == "draft") != bool(ready.draft_model):
+        raise WorkerLinkError(draft_model_mismatch(cfg.speculative, ready.draft_model))
     budget = _step_limit("max_num_batched_tokens", cfg.max_num_batched_tokens, ready.max_num_batched_tokens)
     sched_cfg = SchedulerConfig(
         max_num_seqs=_step_limit("max_num_seqs", cfg.max_num_seqs, ready.max_num_seqs),
@@ -412,6 +415,14 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
                                 cfg.max_request_seconds)
     return Engine(sched_cfg, link, tokenizer, frozenset(ready.eos_token_ids),
                   tracer=tracer, admission=admission, vocab_size=ready.vocab_size)
+
+
+def draft_model_mismatch(speculative: str, draft_model: str) -> str:
+    """Why a scheduler's --speculative and a worker's --draft-model do not go together."""
+    if draft_model:
+        return (f"the worker runs a draft model ({draft_model}, --draft-model) but --speculative is "
+                f"{speculative}: use --speculative draft, or start the worker without --draft-model")
+    return "--speculative draft needs the worker's --draft-model PATH (a small model sharing the tokenizer)"
 
 
 def _step_limit(name: str, asked: int | None, worker: int) -> int:

@@ -106,6 +106,14 @@ class WorkerConfig:
       dist_timeout: seconds a rank waits for the group to form and for any
         collective (gloo's timeout); it must cover the slowest rank's load.
         Hangs while serving are ended sooner by ``hang_timeout``.
+      draft_model: a small model sharing the target's tokenizer (a Hugging
+        Face folder or a ``.gguf`` file) that proposes drafts for
+        speculative decoding (the scheduler's ``--speculative draft``;
+        ``worker/runner/draft_model.py``); ``None``: none.
+      draft_num_blocks: blocks of the draft model's own KV cache (its own
+        pool, never the scheduler's); ``None``: as many as the target's
+        cache has, so every sequence the target holds fits (on CUDA, a
+        cache sized from the free memory is then shared so both fit).
     """
 
     model: str | None = None
@@ -133,6 +141,8 @@ class WorkerConfig:
     tp_size: int = 1
     dist_init: str | None = None
     dist_timeout: float = 300.0
+    draft_model: str | None = None
+    draft_num_blocks: int | None = None
 
     def __post_init__(self) -> None:
         # Guards programmatic construction; the CLI reports the same errors
@@ -149,7 +159,9 @@ class WorkerConfig:
             raise ValueError("num_blocks and kv_cache_gib are mutually exclusive")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        for name in ("num_blocks", "threads", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        if self.draft_num_blocks is not None and self.draft_model is None:
+            raise ValueError("draft_num_blocks needs a draft_model")
+        for name in ("num_blocks", "draft_num_blocks", "threads", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -269,6 +281,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weights-cache", dest="weights_cache", default=None, metavar="DIR",
                        help="keep converted weights here, so later starts load in seconds "
                             "(default: $JITNEY_WEIGHTS_CACHE or ~/.cache/jitney/weights)")
+    group.add_argument("--draft-model", dest="draft_model", type=_model_path, default=None, metavar="PATH",
+                       help="speculative decoding's draft model (needs --speculative draft): a small HF folder or "
+                            ".gguf file sharing the model's tokenizer, run by the worker with its own KV cache")
+    group.add_argument("--draft-num-blocks", dest="draft_num_blocks", type=positive_int, default=None, metavar="N",
+                       help="KV-cache blocks of the draft model (default: as many as the model's cache)")
     group.add_argument("--no-weights-cache", dest="use_weights_cache", action="store_false",
                        help="always convert the model from its files; write no cache")
 

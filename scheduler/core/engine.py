@@ -230,7 +230,8 @@ class Engine:
                 output = self.scheduler.schedule()
                 if not output.is_empty:
                     started = self._tracer.now() if self._tracer else 0.0
-                    plan = to_step_plan(output, self._eos_token_ids, self._is_masked)
+                    plan = to_step_plan(output, self._eos_token_ids, self._is_masked,
+                                        draft_model=self.config.speculative == "draft")
                     await self._link.send_plan(plan)
                     self._note_plan_sent(in_flight)
                     masked = [c.seq_id for c in plan.chunks if c.masked]
@@ -263,8 +264,8 @@ class Engine:
         every token known), else ``pipeline_depth``."""
         if self.scheduler.speculation is None or not in_flight:
             return self.pipeline_depth
-        if any(c.num_draft_tokens for o, _, _ in in_flight for c in o.scheduled):
-            return 1
+        if any(c.num_draft_tokens or c.num_proposals for o, _, _ in in_flight for c in o.scheduled):
+            return 1    # (a draft model's proposals come with that result)
         return 1 if self.scheduler.wants_to_draft() else self.pipeline_depth
 
     def _note_plan_sent(self, in_flight: deque[tuple[SchedulerOutput, float, list[int]]]) -> None:
@@ -313,6 +314,9 @@ class Engine:
         except ValueError as exc:
             self._fail_step(output, f"the worker's result of step {output.step_id} is unusable: {exc}")
             return
+        if result.proposals or result.draft_proposed_tokens:
+            self.scheduler.take_proposals([(p.seq_id, p.start_position, p.token_ids) for p in result.proposals],
+                                          result.draft_seconds, result.draft_proposed_tokens)
         for entry in result.prompt_logprobs:
             self._collect_prompt_logprobs(entry)
         for req in updated:

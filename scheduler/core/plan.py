@@ -20,24 +20,28 @@ _UINT64_MASK = (1 << 64) - 1
 
 
 def to_step_plan(output: SchedulerOutput, eos_token_ids: frozenset[int] = frozenset(),
-                 masked: Callable[[Request], bool] | None = None) -> engine_pb2.StepPlan:
+                 masked: Callable[[Request], bool] | None = None, draft_model: bool = False) -> engine_pb2.StepPlan:
     """The StepPlan message for one scheduled step.
 
     ``eos_token_ids``: the model's, banned (with the stop ids) while a
     request is short of its ``min_tokens``. ``masked``: whether a sampling
     chunk's request is constrained (its bitmask follows in a StepMasks).
+    ``draft_model``: the worker runs one (a new sequence's cached prefix goes
+    with it: ``draft_context_token_ids``).
     """
     starts = {c.request.seq_id: c.start_position for c in output.scheduled}
     return engine_pb2.StepPlan(
         step_id=output.step_id,
         freed_seq_ids=output.freed_seq_ids,
-        new_sequences=[_new_sequence(r, eos_token_ids, starts.get(r.seq_id, 0)) for r in output.new_seqs],
+        new_sequences=[_new_sequence(r, eos_token_ids, starts.get(r.seq_id, 0), draft_model)
+                       for r in output.new_seqs],
         chunks=[_chunk(c, masked) for c in output.scheduled],
         reset=output.reset,
     )
 
 
-def _new_sequence(request: Request, eos_token_ids: frozenset[int], start: int) -> engine_pb2.NewSequence:
+def _new_sequence(request: Request, eos_token_ids: frozenset[int], start: int,
+                  draft_model: bool = False) -> engine_pb2.NewSequence:
     """A sequence the worker has no state for; ``start``: its first chunk's position."""
     s = request.sampling
     config = engine_pb2.SamplingConfig(
@@ -62,6 +66,8 @@ def _new_sequence(request: Request, eos_token_ids: frozenset[int], start: int) -
     new = engine_pb2.NewSequence(seq_id=request.seq_id, sampling=config)
     if start and request.penalised:    # a cached or shared prefix the worker will not compute
         new.context_token_ids.extend(request.all_token_ids[:start])
+    if start and draft_model and request.may_draft:
+        new.draft_context_token_ids.extend(request.all_token_ids[:start])
     return new
 
 
@@ -93,4 +99,5 @@ def _chunk(chunk: ScheduledChunk, masked: Callable[[Request], bool] | None) -> e
         last_token_from_sample=chunk.last_token_from_sample,
         masked=chunk.sample and masked is not None and masked(chunk.request),
         num_draft_tokens=chunk.num_draft_tokens,
+        num_proposals=chunk.num_proposals,
     )

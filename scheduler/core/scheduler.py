@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
-from jitney.scheduler.core.speculative import DraftCandidate, Drafter, SpeculationPolicy, make_drafter
+from jitney.scheduler.core.speculative import DraftCandidate, Drafter, ModelDrafter, SpeculationPolicy, make_drafter
 from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 
 # --max-step-ms: where the decodes alone are predicted over the target, a
@@ -59,6 +59,8 @@ class ScheduledChunk:
     # Speculative decoding: the last this many of token_ids are drafts to
     # verify (the chunk yields 1 + those accepted).
     num_draft_tokens: int = 0
+    # Draft model: the worker proposes this many tokens after the step (speculative.ModelDrafter).
+    num_proposals: int = 0
 
 
 @dataclass
@@ -176,6 +178,8 @@ class Scheduler:
             self._admit_waiting(output)
         if self._drafter is not None:
             self._add_drafts(output)
+            if isinstance(self._drafter, ModelDrafter):
+                self._ask_for_proposals(output)
         if self.config.max_step_ms and self.step_cost.ready:
             output.predicted_seconds = self.predict_step(output)
         output.freed_seq_ids, self._pending_freed = self._pending_freed, []
@@ -412,6 +416,32 @@ class Scheduler:
         request.num_computed_tokens += k
         request.num_draft_tokens = k
         output.num_batched_tokens += k
+
+    def _ask_for_proposals(self, output: SchedulerOutput) -> None:
+        """Draft model: the samples of this step the worker drafts for after it,
+        where the rule says a draft would pay (its cost included), as many as the
+        next step could verify."""
+        assert self.speculation is not None
+        num_sampled = sum(c.sample for c in output.scheduled)
+        for chunk in output.scheduled:
+            request = chunk.request
+            k = min(self.config.num_speculative_tokens,
+                    request.sampling.max_tokens - request.num_output_tokens - request.num_pending_samples - 1,
+                    self.config.max_model_len - request.num_tokens - request.num_pending_samples - 1)
+            if (chunk.sample and request.may_draft and k > 0
+                    and self.speculation.worth_drafting(request.seq_id, output.num_batched_tokens, num_sampled)):
+                chunk.num_proposals = k
+
+    def take_proposals(self, proposals: Sequence[tuple[int, int, Sequence[int]]], seconds: float,
+                       num_tokens: int) -> None:
+        """Draft model: a step's (seq id, start, tokens) proposals, for the live
+        requests, and the draft's time (the rule's cost)."""
+        if not isinstance(self._drafter, ModelDrafter) or self.speculation is None:
+            return
+        for seq_id, start, tokens in proposals:
+            if seq_id in self._requests:
+                self._drafter.receive(seq_id, start, tokens)
+        self.speculation.observe_draft(seconds, num_tokens)
 
     def wants_to_draft(self) -> bool:
         """Whether a running request would likely verify drafts in a step

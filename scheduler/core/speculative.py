@@ -16,6 +16,10 @@ token), so accepting a draft equal to the choice changes nothing.
                                  ending at the sequence's last token
     suffix      scheduler        the same over n = 8..1, in the sequence and in
                                  the recent finished sequences of its cache_salt
+    draft       worker           a small model's greedy tokens (--draft-model),
+                                 made after the step before when the plan
+                                 asked (``num_proposals``), handed over with
+                                 its result (``ModelDrafter``)
 
 The rule (``SpeculationPolicy``): each sequence has a running acceptance
 estimate ``alpha`` (the chance a draft is accepted given the ones before it
@@ -31,6 +35,11 @@ When the step is weight-bound (``b`` small against ``t / N``) drafts are
 nearly free and a sequence that is often right drafts the most it may; at
 many sequences or a large ``b`` (compute-bound) the step drafts little or
 nothing.
+
+A draft model's drafts cost more than verifying: its measured seconds per
+drafted token ``c`` (``observe_draft``) is added to ``b`` in both tests, so
+a draft model whose drafts are seldom accepted is switched off (the
+scheduler then asks it for nothing, and it costs nothing).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from typing import Literal, Protocol, get_args
 from jitney.scheduler.core.request import Request
 from jitney.scheduler.core.step_cost import StepCostModel
 
-SpeculativeMethod = Literal["off", "ngram", "suffix"]
+SpeculativeMethod = Literal["off", "ngram", "suffix", "draft"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 
 NGRAM_MAX = 4     # the longest n-gram looked up
@@ -219,6 +228,31 @@ class SuffixDrafter:
         return (recent.num_sequences, recent.num_tokens) if recent is not None else (0, 0)
 
 
+class ModelDrafter:
+    """The worker's draft model (``--speculative draft``): the scheduler asks for
+    proposals in a plan (``ScheduledChunk.num_proposals``) and gets them with that
+    step's result (``receive``). A proposal made when the sequence held ``start``
+    tokens is used only while it still holds that many: one made before a step
+    that was already planned (pipelined) is stale and never drafted."""
+
+    def __init__(self) -> None:
+        self._proposals: dict[int, tuple[int, list[int]]] = {}   # seq id -> (start, tokens)
+
+    def receive(self, seq_id: int, start: int, tokens: Sequence[int]) -> None:
+        self._proposals[seq_id] = (start, list(tokens))
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        start, tokens = self._proposals.get(request.seq_id, (-1, []))
+        return tokens[:max(0, max_tokens)] if start == request.num_tokens else []
+
+    def forget(self, seq_id: int) -> None:
+        self._proposals.pop(seq_id, None)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._proposals)
+
+
 def make_drafter(method: SpeculativeMethod) -> Drafter | None:
     """The drafter of ``method`` (None when off)."""
     if method == "off":
@@ -227,6 +261,8 @@ def make_drafter(method: SpeculativeMethod) -> Drafter | None:
         return NgramDrafter()
     if method == "suffix":
         return SuffixDrafter()
+    if method == "draft":
+        return ModelDrafter()
     raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
 
 
@@ -259,6 +295,7 @@ class SpeculationPolicy:
     decay: float = 0.8
     cost: StepCostModel = field(default_factory=StepCostModel)
     overhead_seconds: float = 0.0    # pipelining given up by a drafted step (the engine measures it)
+    draft_seconds_per_token: float = 0.0   # a draft model's time per proposed token (``observe_draft``)
     _per_seq: dict[int, Acceptance] = field(default_factory=dict)
     _total: Acceptance = field(default_factory=Acceptance)
 
@@ -282,19 +319,31 @@ class SpeculationPolicy:
     def forget(self, seq_id: int) -> None:
         self._per_seq.pop(seq_id, None)
 
+    def observe_draft(self, seconds: float, num_tokens: int) -> None:
+        """A draft model proposed ``num_tokens`` tokens in ``seconds``."""
+        if num_tokens > 0 and math.isfinite(seconds) and seconds >= 0:
+            per_token = seconds / num_tokens
+            seen = self.draft_seconds_per_token
+            self.draft_seconds_per_token = per_token if not seen else 0.8 * seen + 0.2 * per_token
+
+    def _draft_cost(self) -> tuple[float, float, float]:
+        """(a, b, cost of one draft): b plus a draft model's time per token."""
+        a, b = self.cost.fit()
+        return a, b, b + self.draft_seconds_per_token
+
     def worth_drafting(self, seq_id: int, num_tokens: int, num_seqs: int) -> bool:
         """Whether the first draft of ``seq_id`` would pay in a step of about
         ``num_tokens`` tokens over ``num_seqs`` sampled sequences."""
-        a, b = self.cost.fit()
+        a, b, per_draft = self._draft_cost()
         t = a + b * num_tokens
-        return self.alpha(seq_id) * t / max(1, num_seqs) > b + self.overhead_seconds   # one draft pays
+        return self.alpha(seq_id) * t / max(1, num_seqs) > per_draft + self.overhead_seconds   # one draft pays
 
     def draft_lengths(self, candidates: Sequence[DraftCandidate], num_tokens: int, num_seqs: int,
                       budget: int) -> dict[int, int]:
         """How many of its proposal each candidate drafts (absent: none), for
         a step of ``num_tokens`` tokens over ``num_seqs`` sampled sequences,
         with ``budget`` tokens of the step's budget left."""
-        a, b = self.cost.fit()
+        a, b, per_draft = self._draft_cost()
         t = a + b * num_tokens
         share = t / max(1, num_seqs)    # seconds one of the step's tokens costs
         offers: list[tuple[float, int, int]] = []   # (worth, seq_id, draft index)
@@ -302,7 +351,7 @@ class SpeculationPolicy:
             alpha, worth = self.alpha(c.seq_id), 1.0
             for i in range(min(len(c.proposal), self.num_speculative_tokens)):
                 worth *= alpha
-                if worth * share <= b:
+                if worth * share <= per_draft:
                     break
                 offers.append((worth, c.seq_id, i))
         offers.sort(key=lambda o: (-o[0], o[1], o[2]))
@@ -314,6 +363,6 @@ class SpeculationPolicy:
             lengths[seq_id] = i + 1
             expected += worth
         drafted = sum(lengths.values())
-        if not drafted or expected * share <= b * drafted + self.overhead_seconds:
+        if not drafted or expected * share <= per_draft * drafted + self.overhead_seconds:
             return {}
         return lengths

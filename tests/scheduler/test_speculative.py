@@ -273,3 +273,66 @@ def test_suffix_speculation_changes_no_token() -> None:
     on, _ = _run(_config("suffix"), reqs_on := _requests(6))
     assert [r.output_token_ids for r in reqs_on] == [r.output_token_ids for r in reqs_off]
     assert on.num_accepted_tokens > 0 and on.block_manager.num_used_blocks == 0
+
+
+# -- the draft model's side in the scheduler ------------------------------------------
+
+
+def test_model_drafter_uses_a_proposal_only_where_it_was_made() -> None:
+    """A proposal made for a sequence of N tokens drafts while it still has N, never
+    after (a step planned before it came in moved the sequence on: stale)."""
+    from jitney.scheduler.core.speculative import ModelDrafter
+
+    drafter = ModelDrafter()
+    request = make_request(1, [5, 6, 7], max_tokens=8)
+    drafter.receive(1, 3, [8, 9, 10])
+    assert drafter.propose(request, 2) == [8, 9]
+    request.output_token_ids.append(8)
+    assert drafter.propose(request, 2) == []     # stale
+    drafter.receive(1, 4, [9])
+    assert drafter.propose(request, 4) == [9]
+    drafter.forget(1)
+    assert drafter.propose(request, 4) == [] and drafter.num_kept == 0
+
+
+def test_rule_switches_a_costly_draft_model_off() -> None:
+    """The draft model's time per token is part of a draft's cost: a draft that is
+    seldom right and costs more than the step's share of a token is not asked for."""
+    policy = SpeculationPolicy(num_speculative_tokens=4)
+    for tokens in (1, 8, 16, 32, 64):   # weight-bound: 10 ms a step, 0.05 ms a token
+        policy.cost.observe(tokens, 0.010 + 0.00005 * tokens)
+    assert policy.worth_drafting(1, 1, 1)      # cheap verification, a prior of 0.5: yes
+    for _ in range(6):
+        policy.observe(1, 4, 0)                # never right
+    policy.observe_draft(0.004, 4)             # 1 ms per drafted token
+    assert policy.draft_seconds_per_token == pytest.approx(0.001)
+    assert not policy.worth_drafting(1, 1, 1)
+    assert policy.draft_lengths([DraftCandidate(1, [1, 2, 3, 4])], 1, 1, 100) == {}
+    for _ in range(6):
+        policy.observe(2, 4, 4)                # a sequence the draft gets right
+    assert policy.worth_drafting(2, 1, 1)
+    policy.observe_draft(0.0, 0)               # (nothing proposed: nothing learnt)
+    assert policy.draft_seconds_per_token == pytest.approx(0.001)
+
+
+def test_scheduler_asks_for_proposals_and_drafts_them() -> None:
+    """``--speculative draft``: a sampling chunk asks the worker for as many
+    proposals as the next step may verify (never past max_tokens); the proposals
+    that come back are drafted at the next step and verified as any drafts."""
+    from tests.support.speculation_engine import AlwaysDraft
+
+    sched = Scheduler(_config("draft", num_speculative_tokens=3), speculation=AlwaysDraft(3))
+    request = make_request(1, [5, 6, 7], max_tokens=4)
+    sched.add_request(request)
+    first = sched.schedule()
+    assert [c.num_proposals for c in first.scheduled] == [2]     # the next step's cap: 4 - 1 - 1
+    sched.update_from_output(first, [1], [8], [-0.5])
+    sched.take_proposals([(1, 4, [9, 10]), (77, 1, [3])], seconds=0.002, num_tokens=3)   # (77: not live)
+    second = sched.schedule()
+    chunk = second.scheduled[0]
+    assert chunk.token_ids == [8, 9, 10] and chunk.num_draft_tokens == 2
+    assert chunk.num_proposals == 1    # (were a draft rejected, one more token could follow)
+    sched.update_from_output(second, [1, 1, 1], [9, 10, 11], [-0.1, -0.2, -0.3])
+    assert request.output_token_ids == [8, 9, 10, 11] and request.is_finished
+    assert sched.num_accepted_tokens == 2
+    assert sched._drafter.num_kept == 0   # type: ignore[union-attr]

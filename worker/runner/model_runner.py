@@ -41,6 +41,7 @@ from jitney.worker.runner import speculative, tuned_configs
 from jitney.worker.attention.backend import AttentionMetadata
 from jitney.worker.attention.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
+from jitney.worker.runner.draft_model import DraftModel
 from jitney.worker.runner.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
 from jitney.worker.runner.device import (cuda_index, dtype_name, resolve_batch_invariant, resolve_device, resolve_dtype,
                                   skinny_rows, step_defaults)
@@ -146,10 +147,15 @@ class ModelRunner:
                         ", ".join(f"{n}x{k}" for n, k in sorted(set(swapped))) or "none measured faster here")
         max_tokens, max_seqs = step_defaults(config, self.device)
         geometry = CacheGeometry(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        # The draft model's weights before the cache is sized (on CUDA it takes the memory left).
+        self.draft = (DraftModel(config, self.facts, self.dtype, self.device, self.batch_invariant, cache)
+                      if config.draft_model else None)
         reserve = profile_activations(self.model, geometry, self.device, max_tokens, max_seqs,
                                       self.facts.context_length)
         num_blocks = size_cache(geometry, self.device, num_blocks=config.num_blocks,
                                 kv_cache_gib=config.kv_cache_gib, reserve_bytes=reserve.graphs)
+        if self.draft is not None:
+            num_blocks = self._share_with_draft(self.draft, geometry, num_blocks, max_tokens, max_seqs)
         if group is not None:   # every rank holds the same blocks (of its own KV heads)
             num_blocks = group.min_int(num_blocks)
         self.cache = PagedKVCache(geometry, num_blocks, self.device, backend.block_shapes(geometry))
@@ -187,6 +193,19 @@ class ModelRunner:
             (self.graphs.pool_bytes if self.graphs else 0) / 2**30, self.warmup_seconds,
         )
 
+    def _share_with_draft(self, draft: DraftModel, geometry: CacheGeometry, num_blocks: int, max_tokens: int,
+                          max_seqs: int) -> int:
+        """The draft's cache gets ``--draft-num-blocks`` blocks, else as many as the
+        target's; a cache sized from the card's free memory (no size flag) is shared
+        between the two so that both fit. The target's block count is returned."""
+        config = self.config
+        if config.num_blocks is None and config.kv_cache_gib is None and self.device.type == "cuda":
+            target, other = geometry.bytes_per_block(), draft.geometry.bytes_per_block()
+            spare = (config.draft_num_blocks or 0) * other
+            num_blocks = max(1, (num_blocks * target - spare) // (target + (0 if config.draft_num_blocks else other)))
+        draft.reserve_blocks(config.draft_num_blocks or num_blocks, max_tokens, max_seqs)
+        return num_blocks
+
     def ready_message(self) -> engine_pb2.Ready:
         """The handshake: model facts, cache geometry and the step limits."""
         return engine_pb2.Ready(
@@ -209,6 +228,8 @@ class ModelRunner:
             model_implementation=self.implementation,
             batch_invariance_guaranteed=self.batch_invariant and self.implementation == "native",
             sliding_window=self.sliding_window,
+            draft_model=self.draft.facts.name if self.draft is not None else "",
+            draft_num_blocks=self.draft.num_blocks if self.draft is not None else 0,
         )
 
     @property
@@ -241,13 +262,20 @@ class ModelRunner:
         masked = [r.seq_id for r in rows if r.masked]
         if masked and wait_for_masks is None and self.samples:   # (the other ranks never read masks)
             raise PlanError(f"step {plan.step_id}: masked chunks, but no masks to wait for")
+        if self.draft is not None:
+            self.draft.check_plan(plan)
+        elif any(c.num_proposals for c in plan.chunks) or any(n.draft_context_token_ids for n in plan.new_sequences):
+            raise PlanError(f"step {plan.step_id}: draft model fields, but this worker runs no draft model")
         if plan.reset:
             self._forget_all()
         self._apply(plan, new_states, rows)
         result = engine_pb2.StepResult(step_id=plan.step_id)
         if rows:
             masking = (plan.step_id, masked, wait_for_masks) if masked and wait_for_masks is not None else None
-            self._run(self._chunks(plan, rows), result, masking)
+            chunks = self._chunks(plan, rows)
+            self._run(chunks, result, masking)
+            if self.draft is not None:
+                self.draft.step(plan, chunks, result)
         return result
 
     def _relay(self, plan: engine_pb2.StepPlan) -> None:
@@ -278,6 +306,8 @@ class ModelRunner:
         self._scoring.clear()
         self._prompt_carry.clear()
         self._unverified.clear()
+        if self.draft is not None:
+            self.draft.forget_all()
 
     def _apply(self, plan: engine_pb2.StepPlan, new_states: dict[int, SequenceState], rows: list[ChunkRow]) -> None:
         """The plan's diffs (``new_states``: its new sequences' checked states; ``rows``: its
@@ -290,6 +320,8 @@ class ModelRunner:
                 if r.seq_id not in computed:
                     computed[r.seq_id] = seqs[r.seq_id].num_computed
         apply_plan_diffs(plan, seqs, new_states, rows)
+        if self.draft is not None:
+            self.draft.apply(plan)
         for sid in plan.freed_seq_ids:
             self.batch.remove(sid)
             self._scoring.discard(sid)

@@ -51,17 +51,19 @@ class SamplingConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "context_token_ids")
+    __slots__ = ("seq_id", "sampling", "context_token_ids", "draft_context_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SamplingConfig
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., draft_context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
-    __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample", "masked", "num_draft_tokens")
+    __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample", "masked", "num_draft_tokens", "num_proposals")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class ScheduledChunk(_message.Message):
     LAST_TOKEN_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     MASKED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -78,7 +81,8 @@ class ScheduledChunk(_message.Message):
     last_token_from_sample: bool
     masked: bool
     num_draft_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ..., masked: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    num_proposals: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ..., masked: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_proposals: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks", "reset")
@@ -121,7 +125,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., masks: _Optional[_Union[StepMasks, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "tensor_parallel_size", "quantization", "model_implementation", "batch_invariance_guaranteed", "sliding_window")
+    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "tensor_parallel_size", "quantization", "model_implementation", "batch_invariance_guaranteed", "sliding_window", "draft_model", "draft_num_blocks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +145,8 @@ class Ready(_message.Message):
     MODEL_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANCE_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_name: str
     vocab_size: int
@@ -160,10 +166,12 @@ class Ready(_message.Message):
     model_implementation: str
     batch_invariance_guaranteed: bool
     sliding_window: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    draft_model: str
+    draft_num_blocks: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_num_blocks: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "worker_seconds", "model_seconds", "top_token_ids", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "worker_seconds", "model_seconds", "top_token_ids", "top_logprobs", "prompt_logprobs", "proposals", "draft_seconds", "draft_proposed_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +181,9 @@ class StepResult(_message.Message):
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -182,7 +193,20 @@ class StepResult(_message.Message):
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., worker_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
+    draft_seconds: float
+    draft_proposed_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., worker_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., draft_proposed_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("seq_id", "start_position", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start_position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "start_position", "token_ids", "logprobs", "top_token_ids", "top_logprobs")
