@@ -44,6 +44,7 @@ scheduler then asks it for nothing, and it costs nothing).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
