@@ -29,9 +29,9 @@ from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
 from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask, engine_grammar
 from jitney.v1 import generation_pb2 as pb
-from tests.scheduler.test_tool_properties import SCHEMAS
 from tests.support.scripted_worker import EOS, VOCAB, allowed, make_tokenizer
 from tests.support.text_worker import pick
+from tests.support.tool_schemas import SCHEMAS
 
 TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
 GPT_OSS = (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()

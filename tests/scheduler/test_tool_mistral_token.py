@@ -26,9 +26,9 @@ from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
 from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask
-from tests.scheduler.test_tool_properties import SCHEMAS
 from tests.support.scripted_worker import EOS, VOCAB, allowed, make_tokenizer
 from tests.support.text_worker import pick
+from tests.support.tool_schemas import SCHEMAS
 
 TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
 NEMO = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
