@@ -18,7 +18,8 @@ from transformers import MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, To
 from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.runner.input_batch import InputBatch, StepChunk
 from jitney.worker.runner.plan_checks import PlanError, PlanLimits, ProcessorParams, SequenceState, validate_plan
-from jitney.worker.runner.sampler import SamplingBatch, apply_penalties, mask_logits, sample, sample_step, top_tokens
+from jitney.worker.runner.sampler import (SamplingBatch, apply_penalties, mask_logits, mask_logits_, sample,
+                                          sample_step, top_tokens)
 from tests.support.sampling_refs import VOCAB, bitmask, ref_penalties
 
 CPU = torch.device("cpu")
@@ -251,16 +252,25 @@ def test_top_tokens_rank_ties_by_the_lower_id() -> None:
             assert ids[row].tolist() == want, (n, row)
 
 
-def test_mask_logits_is_masked_fill_by_numpys_unpacking() -> None:
-    """Bit for bit, special values included (-0.0, infinities, NaN, subnormals)."""
-    words = np.random.default_rng(0).integers(-2**31, 2**31, size=(3, 10), dtype=np.int64).astype(np.int32)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_mask_logits_is_masked_fill_by_numpys_unpacking(in_place: bool) -> None:
+    """Bit for bit, special values included (-0.0, infinities, NaN, subnormals), words
+    that allow every token or none (the C++ pass's shortcuts), a last word past V."""
+    words = np.random.default_rng(0).integers(-2**31, 2**31, size=(5, 10), dtype=np.int64).astype(np.int32)
     words[0, 0] |= 0x3F     # the special values below allowed in row 0, not in row 1
     words[1, 0] &= ~0x3F
-    logits = logits_for(3, 300)
+    words[2, :] = -1        # every token allowed
+    words[3, :] = 0         # none (a row the runner never sends; the op still masks it)
+    words[4, 1:4] = (-1, 0, -1)
+    logits = logits_for(5, 300)     # 300 = 9 x 32 + 12: the last word's 20 high bits are past V
     logits[:, :6] = torch.tensor([-0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-40])
     want = logits.masked_fill(~torch.from_numpy(ref_allowed(words, 300)), NEG_INF)
-    got = mask_logits(logits, torch.from_numpy(words))
+    given = logits.clone()
+    got = (mask_logits_ if in_place else mask_logits)(given, torch.from_numpy(words))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert (got.data_ptr() == given.data_ptr()) == in_place      # in place on the CPU
+    if not in_place:
+        assert torch.equal(given.view(torch.int32), logits.view(torch.int32))
 
 
 # -- plan validation ---------------------------------------------------------------

@@ -34,6 +34,7 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("gelu_mul(Tensor gate_up) -> Tensor", &gelu_mul_op);
   // softmax_stats.cpp
   m.def("row_softmax_stats(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)", &row_softmax_stats_op);
+  m.def("mask_logits_(Tensor(a!) logits, Tensor words) -> ()", &mask_logits_op);
   // linear_int8.cpp
   m.def("pack_int8_weight(Tensor q) -> Tensor", &pack_int8_weight_op);
   m.def("int8_path() -> str", &int8_path_op);

@@ -40,6 +40,7 @@ at::Tensor gelu_mul_op(const at::Tensor& gate_up);
 
 // softmax_stats.cpp: the sampler's per-row statistics
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats_op(const at::Tensor& x, bool portable);
+void mask_logits_op(at::Tensor& logits, const at::Tensor& words);
 
 // linear_int8.cpp
 at::Tensor pack_int8_weight_op(const at::Tensor& q);

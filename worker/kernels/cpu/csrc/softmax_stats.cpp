@@ -1,3 +1,6 @@
+// mask_logits_: a grammar's token bitmasks applied in place (-inf where a
+// token's bit is clear), for the sampler's masked rows.
+//
 // A row's softmax statistics, for sampling (jitney/worker/runner/sampler.py,
 // softmax_stats): the first argmax, its value and the log of the row's sum of
 // exp(x - max), the raw logprobs' parts. One thread per row, and the sum in an
@@ -145,6 +148,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats_op(const at::Te
     }
   });
   return {arg, mx, lt};
+}
+
+void mask_logits_op(at::Tensor& logits, const at::Tensor& words) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "mask_logits_ takes contiguous (rows, V) float32 logits");
+  const int64_t rows = logits.size(0), v = logits.size(1), width = (v + 31) / 32;
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.is_contiguous() &&
+                  words.size(0) == rows && words.size(1) >= width,
+              "mask_logits_ takes contiguous (rows, >= ceil(V / 32)) int32 bitmasks");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>());
+  const int64_t stride = words.size(1);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // A word with every bit set (most of a free-text state's words) costs one
+  // compare; the others set their disallowed tokens one by one. Only stores of
+  // -inf: every allowed logit keeps its bits.
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = lp + r * v;
+      const uint32_t* w = wp + r * stride;
+      for (int64_t k = 0; k < width; ++k) {
+        uint32_t banned = ~w[k];
+        if (!banned) continue;
+        const int64_t base = k * 32, end = std::min<int64_t>(32, v - base);
+        if (banned == 0xFFFFFFFFu && end == 32) {
+          std::fill(x + base, x + base + 32, neg_inf);
+          continue;
+        }
+        for (; banned; banned &= banned - 1) {
+          const int64_t bit = __builtin_ctz(banned);
+          if (bit < end) x[base + bit] = neg_inf;
+        }
+      }
+    }
+  });
 }
 
 }  // namespace jitney_cpu
