@@ -341,3 +341,23 @@ def test_a_bad_tenant_is_refused_in_each_door_s_shape(fair_server: Any) -> None:
     assert http_err.value.code == 400
     error = json.loads(http_err.value.read())["error"]
     assert error["param"] == "user" and "printable" in error["message"]
+
+
+def test_each_http_door_carries_its_user_as_the_tenant() -> None:
+    from jitney.scheduler.api.http.anthropic.protocol import parse_messages_request
+    from jitney.scheduler.api.http.openai.protocol import APIError, parse_request
+    from jitney.scheduler.api.http.openai_responses.protocol import parse_create
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_request({"messages": messages, "user": "carol"}, chat=True).params.tenant == "carol"
+    assert parse_request({"prompt": "hi", "user": "dan"}, chat=False).params.tenant == "dan"
+    assert parse_request({"prompt": "hi"}, chat=False).params.tenant == ""
+    responses = parse_create({"input": "hi", "user": "erin"}).chat_args
+    assert parse_request(dict(responses, messages=messages), chat=True).params.tenant == "erin"
+    anthropic = parse_messages_request({"model": "m", "max_tokens": 4, "messages": messages,
+                                        "metadata": {"user_id": "frank"}})
+    assert parse_request(anthropic.chat, chat=True).params.tenant == "frank"
+    with pytest.raises(APIError) as err:
+        parse_request({"messages": messages, "user": "x" * (MAX_TENANT_CHARS + 1)}, chat=True)
+    assert err.value.param == "user" and "more than the limit 256" in str(err.value)
+    assert anthropic.param("user") == "metadata.user_id"     # how the Anthropic door names that error
