@@ -15,9 +15,16 @@ tenant's TTFT p99 against its p99 alone for each of tenant and fcfs (the
 issue's target: tenant <= 2x alone).
 
     python bench/fairness.py [--limit N] [--runs alone tenant fcfs] [--json PATH]
+    python bench/fairness.py --simulate [--seats N] [--limit N]
 
 ``--limit N`` takes the first N requests of each workload (a short run);
 ``--model`` another model than the default; extra server flags after ``--``.
+
+``--simulate`` replays the same three runs through the real Scheduler and
+the tests' fake worker (tests/support/fake_worker.py) on a step-time model
+instead of a server (a step takes ``SIM_STEP_S`` plus ``SIM_TOKEN_S`` a
+token: assumed round numbers, not measurements): the policy alone, in
+simulated seconds, free of the noise of a shared machine.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ from jitney.client.bench import Outcome, WorkItem, load_workload, summarize  # n
 from jitney.client.channel import open_aio_channel  # noqa: E402
 from jitney.v1 import generation_pb2 as pb  # noqa: E402
 from jitney.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from jitney.scheduler.core.config import SchedulerConfig  # noqa: E402
+from jitney.scheduler.core.request import Request, SamplingOptions  # noqa: E402
+from jitney.scheduler.core.scheduler import Scheduler  # noqa: E402
+from tests.support.fake_worker import VOCAB, FakeWorker  # noqa: E402
 from tests.support.server_harness import running_server  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -45,6 +56,53 @@ RUNS = {  # run -> (--fairness, whether the flood runs)
     "tenant": ("tenant", True),
     "fcfs": ("off", True),
 }
+SIM_STEP_S, SIM_TOKEN_S = 0.03, 0.0004    # --simulate: seconds a step, and a token of it
+
+
+def simulate(name: str, light: list[WorkItem], flood: list[WorkItem], seats: int) -> dict[str, Any]:
+    """One run through the real Scheduler and the fake worker, on simulated time."""
+    fairness, flooded = RUNS[name]
+    config = SchedulerConfig(block_size=16, num_blocks=4096, max_model_len=4096, max_num_seqs=seats,
+                             max_num_batched_tokens=512, fairness=fairness)  # type: ignore[arg-type]
+    scheduler, worker = Scheduler(config), FakeWorker(config.num_blocks, config.block_size)
+    loads = {"light": light, **({"flood": flood} if flooded else {})}
+    arrivals = sorted(((item.arrival_s, tenant, Outcome(item)) for tenant, items in loads.items()
+                       for item in items), key=lambda a: a[0])
+    outcomes: dict[int, Outcome] = {}
+    now, seq_id = 0.0, 0
+    while arrivals or scheduler.has_work():
+        while arrivals and arrivals[0][0] <= now:
+            _, tenant, outcome = arrivals.pop(0)
+            seq_id += 1
+            item = outcome.item
+            scheduler.add_request(Request(seq_id, [t % VOCAB for t in item.prompt_token_ids],
+                                          SamplingOptions(max_tokens=item.max_tokens, ignore_eos=True),
+                                          item.arrival_s, tenant=tenant))
+            outcomes[seq_id] = outcome
+        if not scheduler.has_work():
+            now = arrivals[0][0]
+            continue
+        output = scheduler.schedule()
+        result = worker.execute(_wire(output))
+        now += SIM_STEP_S + SIM_TOKEN_S * output.num_batched_tokens
+        for request in scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids),
+                                                    list(result.logprobs)):
+            done = outcomes[request.seq_id]
+            done.token_times.extend([now] * request.last_step_tokens)
+            done.num_tokens += request.last_step_tokens
+    by_tenant: dict[str, list[Outcome]] = {}
+    for seq, outcome in outcomes.items():
+        tenant = next(t for t, items in loads.items() if outcome.item in items)
+        by_tenant.setdefault(tenant, []).append(outcome)
+    return {tenant: _row(group) for tenant, group in by_tenant.items()}
+
+
+def _wire(output: Any) -> Any:
+    from jitney.engine.v1 import engine_pb2
+    from jitney.scheduler.core.plan import to_step_plan
+
+    return engine_pb2.SchedulerMessage.FromString(
+        engine_pb2.SchedulerMessage(plan=to_step_plan(output)).SerializeToString()).plan
 
 
 async def _replay(target: str, loads: dict[str, list[WorkItem]]) -> dict[str, list[Outcome]]:
@@ -112,6 +170,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="only the first N requests of each workload")
     ap.add_argument("--model", default=None, help="model folder (default: the bundled default model)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--simulate", action="store_true",
+                    help="the scheduler and the fake worker on a step-time model, no server")
+    ap.add_argument("--seats", type=int, default=64, help="--simulate: max_num_seqs (default 64)")
     ap.add_argument("server_flags", nargs="*", help="more `jitney serve` flags (after --)")
     ns = ap.parse_args()
     light = load_workload(WORKLOADS / "online-64.jsonl")[:ns.limit]
@@ -119,9 +180,10 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ns.runs:
-            results[name] = run(name, light, flood, ns.model, ns.server_flags, Path(tmp))
+            results[name] = (simulate(name, light, flood, ns.seats) if ns.simulate
+                             else run(name, light, flood, ns.model, ns.server_flags, Path(tmp)))
             print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
-    report = {"runs": results, "verdict": verdict(results),
+    report = {"runs": results, "verdict": verdict(results), "simulated": ns.simulate,
               "light_requests": len(light), "flood_requests": len(flood)}
     print(json.dumps(report, indent=2))
     if ns.json:
