@@ -15,7 +15,7 @@ tenant's TTFT p99 against its p99 alone for each of tenant and fcfs (the
 issue's target: tenant <= 2x alone).
 
     python bench/fairness.py [--limit N] [--runs alone tenant fcfs] [--json PATH]
-    python bench/fairness.py --simulate [--seats N] [--limit N]
+    python bench/fairness.py --simulate [--seats N] [--limit N] [--sim-step-s S] [--sim-token-s S]
 
 ``--limit N`` takes the first N requests of each workload (a short run);
 ``--model`` another model than the default; extra server flags after ``--``.
@@ -59,7 +59,8 @@ RUNS = {  # run -> (--fairness, whether the flood runs)
 SIM_STEP_S, SIM_TOKEN_S = 0.03, 0.0004    # --simulate: seconds a step, and a token of it
 
 
-def simulate(name: str, light: list[WorkItem], flood: list[WorkItem], seats: int) -> dict[str, Any]:
+def simulate(name: str, light: list[WorkItem], flood: list[WorkItem], seats: int,
+             step_s: float = SIM_STEP_S, token_s: float = SIM_TOKEN_S) -> dict[str, Any]:
     """One run through the real Scheduler and the fake worker, on simulated time."""
     fairness, flooded = RUNS[name]
     config = SchedulerConfig(block_size=16, num_blocks=4096, max_model_len=4096, max_num_seqs=seats,
@@ -84,7 +85,7 @@ def simulate(name: str, light: list[WorkItem], flood: list[WorkItem], seats: int
             continue
         output = scheduler.schedule()
         result = worker.execute(_wire(output))
-        now += SIM_STEP_S + SIM_TOKEN_S * output.num_batched_tokens
+        now += step_s + token_s * output.num_batched_tokens
         for request in scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids),
                                                     list(result.logprobs)):
             done = outcomes[request.seq_id]
@@ -173,6 +174,8 @@ def main() -> int:
     ap.add_argument("--simulate", action="store_true",
                     help="the scheduler and the fake worker on a step-time model, no server")
     ap.add_argument("--seats", type=int, default=64, help="--simulate: max_num_seqs (default 64)")
+    ap.add_argument("--sim-step-s", type=float, default=SIM_STEP_S, help="--simulate: seconds a step")
+    ap.add_argument("--sim-token-s", type=float, default=SIM_TOKEN_S, help="--simulate: seconds a token")
     ap.add_argument("server_flags", nargs="*", help="more `jitney serve` flags (after --)")
     ns = ap.parse_args()
     light = load_workload(WORKLOADS / "online-64.jsonl")[:ns.limit]
@@ -180,7 +183,7 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ns.runs:
-            results[name] = (simulate(name, light, flood, ns.seats) if ns.simulate
+            results[name] = (simulate(name, light, flood, ns.seats, ns.sim_step_s, ns.sim_token_s) if ns.simulate
                              else run(name, light, flood, ns.model, ns.server_flags, Path(tmp)))
             print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     report = {"runs": results, "verdict": verdict(results), "simulated": ns.simulate,
