@@ -26,6 +26,7 @@ from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
 from jitney.scheduler.security.keys import KeyLimiter
 from jitney.scheduler.core.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig, SchedulingPolicy, max_model_len_for
+from jitney.scheduler.core.fairness import FAIRNESS_MODES, FairnessMode, check_weights, parse_weight
 from jitney.scheduler.core.speculative import SPECULATIVE_METHODS, SpeculativeMethod
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.engine import Engine
@@ -89,6 +90,8 @@ class SchedulerProcessConfig:
     speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix | draft (core/speculative.py)
     num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
     max_step_ms: float = 0.0             # a step with decodes: predicted model ms at most this; 0 = off
+    fairness: FairnessMode = "off"       # off | tenant: share between tenants (core/fairness.py)
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # --tenant-weight NAME=W (with the key file's)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -103,7 +106,20 @@ class SchedulerProcessConfig:
                    responses_store_max_age=ns.responses_store_max_age,
                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                    speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
-                   max_step_ms=ns.max_step_ms)
+                   max_step_ms=ns.max_step_ms,
+                   fairness=ns.fairness, tenant_weights=tuple(tenant_weight(w) for w in ns.tenant_weight or ()))
+
+    def weights(self, security: ServerSecurity) -> tuple[tuple[str, float], ...]:
+        """Tenant weights of the key file and --tenant-weight. Raises ValueError."""
+        if self.tenant_weights and self.fairness != "tenant":
+            raise ValueError("--tenant-weight needs --fairness tenant")
+        keyed = security.keys.weights if security.keys is not None else {}
+        for tenant, _ in self.tenant_weights:
+            if tenant in keyed:
+                raise ValueError(f"--tenant-weight {tenant}: the key file gives that key a weight already")
+        weights = tuple(keyed.items()) + self.tenant_weights if self.fairness == "tenant" else ()
+        check_weights(weights)      # a tenant given twice
+        return weights
 
     def load_security(self) -> tuple[ServerSecurity, list[str]]:
         """The TLS credentials and API keys of the flags, and warnings. Raises SecurityError."""
@@ -149,6 +165,18 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                              "milliseconds: shorter token stalls for streaming users while long prompts "
                              "prefill; the first prefill chunk of a step still gets one KV block. "
                              "0 = off (default): chunks fill the token budget")
+    parser.add_argument("--fairness", choices=FAIRNESS_MODES, default="off",
+                        help="off (default): waiting requests board by priority, then arrival; tenant: "
+                             "the least-served tenant's request boards first and the most-served tenant's "
+                             "is preempted first (Virtual Token Counter; a prompt token counts 1, an output "
+                             "token 2, divided by the tenant's weight), priority ordering within a tenant; "
+                             "a tenant is the API key's name, else the request's user (OpenAI) or tenant "
+                             "(gRPC), else one shared tenant")
+    parser.add_argument("--tenant-weight", type=_tenant_weight_flag, action="append", default=None,
+                        metavar="NAME=W",
+                        help="the weight of a tenant under --fairness tenant (repeatable; default 1; "
+                             "a weight-2 tenant gets twice the share); keys can also carry it in the "
+                             "key file (NAME:KEY:WEIGHT)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a JSONL step trace (one line per step) for `jitney plot`")
     add_model_setting_arguments(parser)
@@ -162,6 +190,23 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
 
 
 _port_or_off = int_in(0, 65535, meaning="a TCP port (1-65535) or 0 (off)")
+
+
+def tenant_weight(text: str) -> tuple[str, float]:
+    """``NAME=W`` of --tenant-weight. Raises ValueError."""
+    name, sep, weight = text.rpartition("=")
+    if not sep or not name:
+        raise ValueError(f"expected NAME=WEIGHT, got {text!r}")
+    return name, parse_weight(weight)
+
+
+def _tenant_weight_flag(text: str) -> str:
+    """--tenant-weight checked, kept as written (`jitney serve` passes it on)."""
+    try:
+        tenant_weight(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 # The scheduler's listening ports: (config field, what it serves, its flag).
 DOORS = (("port", "gRPC", "--port"), ("openai_port", "the OpenAI API", "--openai-port"),
@@ -277,6 +322,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
     SIGINT / SIGTERM; when given, no signal handler is installed (in-process tests)."""
     try:
         security, warnings = cfg.load_security()
+        weights = cfg.weights(security)
         settings = model_settings(cfg)
     except (SecurityError, ModelNotFoundError, ValueError) as exc:    # ModelSettingsError is a ValueError
         print(f"jitney: {exc}", file=sys.stderr, flush=True)
@@ -355,7 +401,7 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
                 return 2
             print(f"jitney: chat template from {cfg.chat_template}", flush=True)
         life = Lifecycle(link, servicer, lambda status: set_health(health_servicer, status),
-                         lambda ready: _make_engine(cfg, link, tokenizer, ready, tracer), tokenizer,
+                         lambda ready: _make_engine(cfg, link, tokenizer, ready, tracer, weights), tokenizer,
                          address, cfg.drain_seconds, stop, drain)
         return await life.run()
     finally:
@@ -393,7 +439,8 @@ def _door_security(security: ServerSecurity) -> str:
 
 
 def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: object,
-                 ready: engine_pb2.Ready, tracer: StepTracer | None) -> Engine:
+                 ready: engine_pb2.Ready, tracer: StepTracer | None,
+                 tenant_weights: tuple[tuple[str, float], ...] = ()) -> Engine:
     if (cfg.speculative == "draft") != bool(ready.draft_model):
         raise WorkerLinkError(draft_model_mismatch(cfg.speculative, ready.draft_model))
     budget = _step_limit("max_num_batched_tokens", cfg.max_num_batched_tokens, ready.max_num_batched_tokens)
@@ -410,6 +457,8 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         speculative=cfg.speculative,
         num_speculative_tokens=cfg.num_speculative_tokens,
         max_step_ms=cfg.max_step_ms,
+        fairness=cfg.fairness,
+        tenant_weights=tenant_weights,
     )
     admission = AdmissionLimits(cfg.max_queued_requests, cfg.max_queued_tokens,
                                 cfg.max_request_seconds)

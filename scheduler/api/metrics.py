@@ -17,6 +17,18 @@ id, the API key's name (with ``--api-key-file``), tokens in/out, time to
 first token, total time, finish reason or error. The prompt text is logged
 only with ``--log-prompts``; a key itself never is.
 
+With ``--fairness tenant`` the scheduler's tenants (fairness.py) are read at
+scrape time: ``jitney:tenant_service`` (the virtual token counter the policy
+compares), ``jitney:tenant_computed_tokens`` by ``kind`` (prompt, output)
+and ``jitney:tenant_requests_waiting`` / ``_running``, labelled ``tenant``.
+Only the ``METRIC_TENANTS`` most-served tenants have their own label; the
+rest are summed into ``tenant="jitney:other"`` (no service: counters of
+different tenants do not add up), so the series stay bounded however many
+``user`` strings clients send; the shared tenant is ``jitney:shared``.
+(Client tenants cannot start with ``jitney:``.) They are gauges: a counter
+is lifted when its tenant returns from idle, and a tenant moves between its
+own label and ``other`` as the ranking changes.
+
 The request counters (success, failure, prompt and generation tokens) carry
 a ``door`` label, the API the request came through (DOORS: grpc, openai,
 responses, anthropic), and with API keys (``key_label``) a ``key`` label: the
@@ -37,6 +49,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from jitney.scheduler.core.fairness import RESERVED_PREFIX, TenantReport
+
 request_log = logging.getLogger("jitney.requests")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -45,6 +59,9 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 50.0, 60.0, 120.0, 240.0, 480.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DOORS = ("grpc", "openai", "responses", "anthropic")   # the values of the ``door`` label
+METRIC_TENANTS = 16           # tenants with a label of their own; the rest are "other"
+OTHER_TENANT = RESERVED_PREFIX + "other"
+SHARED_TENANT_LABEL = RESERVED_PREFIX + "shared"
 
 
 class Metrics:
@@ -159,6 +176,8 @@ class StateCollector(Collector):
         yield CounterMetricFamily("jitney:worker_restarts", "Workers that replaced a lost one.",
                                   value=self.worker_restarts)
         yield self._acceptance_histogram(sched)
+        if sched is not None and sched.fairness is not None:
+            yield from _tenant_metrics(sched.tenant_report())
 
     def _acceptance_histogram(self, sched: Any) -> HistogramMetricFamily:
         """Drafts by how many of their tokens were accepted (0..K)."""
@@ -172,6 +191,31 @@ class StateCollector(Collector):
         return HistogramMetricFamily("jitney:spec_decode_acceptance_length",
                                      "Draft tokens accepted per chunk that verified drafts.",
                                      buckets=buckets, sum_value=total)
+
+
+def _tenant_metrics(rows: list[TenantReport]) -> Iterator[GaugeMetricFamily]:
+    """The tenants' gauges: the METRIC_TENANTS most-served by name (``rows``
+    comes most-served first), the rest summed into OTHER_TENANT."""
+    service = GaugeMetricFamily("jitney:tenant_service", "A tenant's virtual token counter "
+                                "(weighted tokens computed, lifted on return from idle).", labels=["tenant"])
+    tokens = GaugeMetricFamily("jitney:tenant_computed_tokens", "Tokens computed for a tenant, by kind.",
+                               labels=["tenant", "kind"])
+    waiting = GaugeMetricFamily("jitney:tenant_requests_waiting", "A tenant's requests waiting.", labels=["tenant"])
+    running = GaugeMetricFamily("jitney:tenant_requests_running", "A tenant's requests running.", labels=["tenant"])
+    named, rest = rows[:METRIC_TENANTS], rows[METRIC_TENANTS:]
+    for row in named:
+        label = row.tenant or SHARED_TENANT_LABEL
+        service.add_metric([label], row.service)
+        tokens.add_metric([label, "prompt"], row.prompt_tokens)
+        tokens.add_metric([label, "output"], row.output_tokens)
+        waiting.add_metric([label], row.waiting)
+        running.add_metric([label], row.running)
+    if rest:
+        tokens.add_metric([OTHER_TENANT, "prompt"], sum(r.prompt_tokens for r in rest))
+        tokens.add_metric([OTHER_TENANT, "output"], sum(r.output_tokens for r in rest))
+        waiting.add_metric([OTHER_TENANT], sum(r.waiting for r in rest))
+        running.add_metric([OTHER_TENANT], sum(r.running for r in rest))
+    yield from (service, tokens, waiting, running)
 
 
 def _add_counts(a: list[int], b: list[int]) -> list[int]:

@@ -25,6 +25,7 @@ from jitney.scheduler.core.detokenizer import TokenTexts
 from jitney.scheduler.core.grammar import engine_grammar
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
+from jitney.scheduler.core.fairness import SHARED_TENANT, tenant_problem
 from jitney.scheduler.core.request import FinishReason
 from jitney.scheduler.api.tools.formats import ToolFormat, format_named, marker_tokens
 from jitney.scheduler.api.tools.grammar import reasoned_grammar, tool_grammar
@@ -183,7 +184,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             if message is None:
                 release = self.key_limits.acquire(key)
-                validated = await self.validate(state, params)
+                tenant = request_tenant(params, key)
+                validated = replace(await self.validate(state, params), tenant=tenant)
                 handle = state.engine.submit(validated, time_remaining)
                 record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
                                             _prompt_for_log(params) if self.metrics.log_prompts else None,
@@ -422,6 +424,17 @@ def _split_whole(sample: pb.GeneratedSample, parser: OutputParser | None) -> Non
     sample.reasoning_content = parser.reasoning
     for call in parser.calls:
         sample.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+
+
+def request_tenant(params: pb.GenerationParams, key: str | None) -> str:
+    """Whose share a request uses (``--fairness tenant``): its API key's name,
+    else its ``tenant`` field (the OpenAI doors' ``user``), else the shared
+    tenant. Raises InvalidRequestError for a tenant field out of bounds."""
+    if (problem := tenant_problem(params.tenant)) is not None:
+        raise InvalidRequestError("params.tenant", problem)
+    if key is not None:
+        return key
+    return params.tenant or SHARED_TENANT
 
 
 def _prompt_for_log(params: pb.GenerationParams) -> object:

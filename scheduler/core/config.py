@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from jitney.scheduler.core.fairness import FAIRNESS_MODES, FairnessMode, check_weights
 from jitney.scheduler.core.speculative import SPECULATIVE_METHODS, SpeculativeMethod
 
 SchedulingPolicy = Literal["continuous", "static", "sequential"]
@@ -83,6 +84,15 @@ class SchedulerConfig:
     chunk of a step still gets ``min_prefill_chunk`` tokens, so no prompt
     starves. Steps without decodes fill the token budget. 0: off (chunks
     fill the budget)."""
+    fairness: FairnessMode = "off"
+    """``--fairness``: ``off`` boards by priority then arrival; ``tenant``
+    shares the server between tenants by their weighted service (the
+    Virtual Token Counter, ``fairness.py``), priority ordering within one."""
+
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    """(tenant, weight) of ``--fairness tenant``: a tenant's service counts
+    divided by its weight (default 1), so weight 2 gets twice the share.
+    From ``NAME:KEY:WEIGHT`` key-file lines and ``--tenant-weight``."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len",
@@ -97,6 +107,9 @@ class SchedulerConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative!r}")
+        if self.fairness not in FAIRNESS_MODES:
+            raise ValueError(f"fairness must be one of {', '.join(FAIRNESS_MODES)}, got {self.fairness!r}")
+        check_weights(self.tenant_weights)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS or (
                 self.speculative != "off" and k >= self.max_num_batched_tokens):

@@ -163,6 +163,7 @@ class Engine:
                 arrival_time=arrival,
                 priority=validated.priority,
                 cache_salt=validated.cache_salt,
+                tenant=validated.tenant,
                 parent=parent,
                 sample_index=index,
             )

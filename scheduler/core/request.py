@@ -75,6 +75,7 @@ class Request:
     num_cached_tokens: int = 0         # prompt tokens served by the prefix cache
                                        # at the first boarding (usage)
     cache_salt: str = ""               # prefix-cache namespace ("" = shared)
+    tenant: str = ""                   # whose share it uses (fairness.py; "" = shared)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of
                                        # the first full blocks (block_manager.py)
     # n > 1: samples 1.. of a request wait (held) until sample 0, their
@@ -140,6 +141,7 @@ class ValidatedRequest:
     request_id: str
     priority: int = 0
     cache_salt: str = ""              # prefix-cache namespace; "" = shared
+    tenant: str = ""                  # key name, else user / tenant field; "" = shared
     grammar: Any = None               # a grammar.CompiledGrammar: constrained output
     # special token ids the output text keeps (a tool format's markers, which the parser reads)
     keep_special: frozenset[int] = frozenset()

@@ -5,7 +5,10 @@ waiting requests board in order (priority desc, arrival, seq_id) while seats,
 token budget and blocks last; boarding stops at the first that does not fit.
 A running request that needs a block when none is free preempts the
 lowest-priority, latest-arrived running request (possibly itself): its blocks
-are freed and it is recomputed later.
+are freed and it is recomputed later. With ``--fairness tenant`` the
+boarding request and the victim are chosen among tenants first
+(fairness.py): the least-served tenant's head boards, the most-served
+tenant's last is preempted.
 
     request state       in          blocks   worker knows it
     WAITING             _waiting    none     no (if preempted: freed in a plan)
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
+from jitney.scheduler.core.fairness import TenantFairness, TenantReport
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.speculative import DraftCandidate, Drafter, ModelDrafter, SpeculationPolicy, make_drafter
 from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
@@ -122,6 +126,8 @@ class Scheduler:
         self.acceptance_counts = [0] * (config.num_speculative_tokens + 1)
         # Measured model times -> t = a + b T + c K (step_cost.py), for --max-step-ms and the trace.
         self.step_cost = StepCostModel()
+        self.fairness = (TenantFairness(dict(config.tenant_weights))
+                         if config.fairness == "tenant" else None)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -134,6 +140,8 @@ class Scheduler:
                 f"seq {request.seq_id}: prompt of {request.num_tokens} tokens, "
                 f"must be 1..{self.config.max_model_len}")
         self._requests[request.seq_id] = request
+        if self.fairness is not None:
+            self.fairness.arrive(request)
         if request.parent is not None:
             self._held.append(request)
         else:
@@ -247,7 +255,7 @@ class Scheduler:
         """Preempt until ``request``'s blocks fit; False if it was the victim."""
         needed = self.block_manager.blocks_needed(request, num_new)
         while not self.block_manager.can_allocate(needed):
-            victim = max(self._running, key=_queue_key)
+            victim = self._victim()
             self._preempt(victim, output)
             if victim is request:
                 return False
@@ -256,7 +264,7 @@ class Scheduler:
     def _admit_waiting(self, output: SchedulerOutput) -> None:
         seats = self._boarding_seats()
         while self._waiting and seats > 0 and self._budget_left(output) > 0:
-            request = self._waiting[0]
+            request = self._waiting[self._next_to_board()]
             if request.num_pending_samples:
                 break   # preempted with a sample in flight: board once it is in
             cached, shared = self._prefix_for(request)
@@ -267,11 +275,28 @@ class Scheduler:
                 break   # the step's time is spent (--max-step-ms)
             if not self.block_manager.can_board(cached, num_cached + num_new):
                 break   # FCFS: nobody skips ahead
-            self._waiting.pop(0)
+            self._waiting.remove(request)
             self._board(request, cached, shared)
             self._schedule_chunk(request, num_new, output)
             seats -= 1
             self._batch_left = max(0, self._batch_left - 1)
+
+    def _next_to_board(self) -> int:
+        """Index in the waiting queue of the request that boards next."""
+        return 0 if self.fairness is None else self.fairness.pick(self._waiting)
+
+    def _victim(self) -> Request:
+        """The running request preempted first."""
+        if self.fairness is None:
+            return max(self._running, key=_queue_key)
+        fairness = self.fairness
+        return max(self._running, key=lambda r: (fairness.victim_key(r), _queue_key(r)))
+
+    def tenant_report(self) -> list[TenantReport]:
+        """Per tenant service and queue lengths (``--fairness tenant``; else empty)."""
+        if self.fairness is None:
+            return []
+        return self.fairness.report(self._waiting + self._held, self._running)
 
     def _board(self, request: Request, cached: list[int], shared: bool = False) -> None:
         """Seat a waiting request; it starts past its cached (or shared) prefix."""
@@ -309,6 +334,8 @@ class Scheduler:
             self._on_worker.add(request.seq_id)
             output.new_seqs.append(request)
         request.num_computed_tokens += num_new
+        if self.fairness is not None:
+            self.fairness.charge(request, start, num_new)
         # [start, num_tokens) known ids; [num_tokens, +pending) still sampling
         placeholder = start + num_new > request.num_tokens
         sample = request.num_computed_tokens == request.num_tokens + request.num_pending_samples
@@ -591,6 +618,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.seq_id]
+        if self.fairness is not None:
+            self.fairness.leave(request)
         if self._drafter is not None and self.speculation is not None:
             self._drafter.forget(request.seq_id)
             self.speculation.forget(request.seq_id)

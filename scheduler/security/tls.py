@@ -13,9 +13,14 @@ service (probes) and server reflection (it reveals only the public schema).
 Everything is read once, at start-up: rotating a certificate or a key is a
 restart (`jitney serve` drains on SIGTERM).
 
-The key file holds one key a line, ``KEY`` or ``NAME:KEY``; blank lines and
-``# comments`` are skipped; a key without a name is called ``key-LINE``. A key
-is printable ASCII without spaces (a key holding ``:`` needs a name). Keys
+The key file holds one key a line, ``KEY``, ``NAME:KEY`` or
+``NAME:KEY:WEIGHT``; blank lines and ``# comments`` are skipped; a key
+without a name is called ``key-LINE``. A key is printable ASCII without
+spaces (a key holding ``:`` needs a name). WEIGHT is the key's tenant weight
+under ``--fairness tenant`` (a number in (0, 1000], default 1): after a
+name, a last ``:`` field that looks like a number is the weight (a bad one
+is an error), any other is part of the key as before; so a key that itself
+ends in ``:`` and digits is written with its weight, ``NAME:KEY:1``. Keys
 are kept only as SHA-256 digests and never printed: errors name the line.
 """
 
@@ -35,6 +40,7 @@ import grpc
 
 from jitney.common.arg_types import positive_int
 from jitney.common.ports import bind_problem
+from jitney.scheduler.core.fairness import looks_like_weight, parse_weight
 
 SHORT_KEY = 16                        # warn below this many characters
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -57,7 +63,8 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require client certificates signed by this PEM CA (mutual TLS; needs --tls-cert)")
     g.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="require `authorization: Bearer KEY` (gRPC metadata or HTTP header); one key a "
-                        "line, KEY or NAME:KEY, '#' comments; logs and metrics name the key, never show it")
+                        "line, KEY, NAME:KEY or NAME:KEY:WEIGHT (the tenant weight of --fairness tenant), "
+                        "'#' comments; logs and metrics name the key, never show it")
     g.add_argument("--max-requests-per-key", type=positive_int, default=None, metavar="N",
                    help="most generation requests in flight per API key; beyond: RESOURCE_EXHAUSTED "
                         "(HTTP 429) (default: unlimited; needs --api-key-file)")
@@ -142,9 +149,10 @@ def _read(path: str, flag: str) -> bytes:
 class ApiKeys:
     """Names of the keys of ``--api-key-file``, looked up in constant time."""
 
-    def __init__(self, named: list[tuple[str, bytes]]) -> None:
+    def __init__(self, named: list[tuple[str, bytes]], weights: dict[str, float] | None = None) -> None:
         self._digests = [(name, hashlib.sha256(key).digest()) for name, key in named]
         self.names = [name for name, _ in named]
+        self.weights = dict(weights or {})    # name -> tenant weight (NAME:KEY:WEIGHT lines)
 
     def identify(self, token: str | None) -> str | None:
         """The name of the key ``token``, or None. Compares the SHA-256 digests
@@ -164,6 +172,7 @@ def parse_api_keys(text: str, source: str = "--api-key-file") -> tuple[ApiKeys, 
     """Parse a key file: the keys and warnings (short keys). Raises SecurityError
     naming the line, never showing a key."""
     named: list[tuple[str, bytes]] = []
+    weights: dict[str, float] = {}
     names: dict[str, int] = {}
     lines_of_key: dict[bytes, int] = {}
     warnings = []
@@ -176,6 +185,13 @@ def parse_api_keys(text: str, source: str = "--api-key-file") -> tuple[ApiKeys, 
             name, key = f"key-{number}", line
         name, key = name.strip(), key.strip()
         where = f"{source} line {number}"
+        head, colon, tail = key.rpartition(":")
+        if sep and colon and looks_like_weight(tail):
+            try:
+                weights[name] = parse_weight(tail)
+            except ValueError as exc:
+                raise SecurityError(f"{where}: key {name!r}: {exc}") from None
+            key = head.strip()
         if not _NAME.fullmatch(name):
             raise SecurityError(f"{where}: a key name is 1-64 letters, digits, '_', '-' or '.'")
         if not key:
@@ -194,7 +210,7 @@ def parse_api_keys(text: str, source: str = "--api-key-file") -> tuple[ApiKeys, 
         named.append((name, data))
     if not named:
         raise SecurityError(f"{source}: no keys in the file (one KEY or NAME:KEY a line)")
-    return ApiKeys(named), warnings
+    return ApiKeys(named, weights), warnings
 
 
 def load_api_keys(path: str) -> tuple[ApiKeys, list[str]]:

@@ -14,8 +14,9 @@ Decisions (the OpenAI API leaves them to the server, or Jitney differs):
   * Every request argument is either honoured or refused with 400 naming
     it: OpenAI's arguments that Jitney lacks (tools, audio, ...) say "is not
     supported", unknown ones "Unrecognized request argument". A JSON
-    ``null`` is the same as leaving an argument out. ``user`` is accepted
-    and not used (OpenAI uses it for abuse monitoring only).
+    ``null`` is the same as leaving an argument out. ``user`` names the
+    request's tenant for ``--fairness tenant`` when no API key does (at most
+    256 printable characters).
   * One prompt per completion request (a list of several is refused); chat
     content is a string or text parts (joined with newlines); role
     ``developer`` is ``system``; ``tool`` messages (with ``tool_call_id``) and
@@ -61,6 +62,7 @@ from jitney.v1 import generation_pb2 as pb
 from jitney.scheduler.api.http.encoding import dumps
 from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.api.servicer import GenerationServicer, ServingState
+from jitney.scheduler.core.fairness import tenant_problem
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 COMPLETION_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
@@ -253,7 +255,11 @@ def parse_request(body: Any, *, chat: bool, defaults: SamplingDefaults | None = 
     s.stop_token_ids.extend(_int_list(args, "stop_token_ids", 0, UINT32_MAX))
     _set(p, "priority", _int(args, "priority", -2**31, 2**31 - 1))
     p.cache_salt = _str(args, "cache_salt") or ""
-    _str(args, "user")
+    user = _str(args, "user")
+    if user:
+        if (problem := tenant_problem(user)) is not None:
+            raise _bad("user", problem)
+        p.tenant = user     # --fairness tenant: the share it uses (an API key's name wins)
     return out
 
 
