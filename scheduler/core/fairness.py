@@ -47,8 +47,6 @@ stays bounded however many ``user`` strings clients send.
 
 from __future__ import annotations
 
-import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +55,10 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from jitney.scheduler.core.request import Request
 
+from jitney.common.tenant_weights import MAX_TENANT_WEIGHT, looks_like_weight, parse_weight
+
+__all__ = ["MAX_TENANT_WEIGHT", "looks_like_weight", "parse_weight"]
+
 FairnessMode = Literal["off", "tenant"]
 FAIRNESS_MODES: tuple[str, ...] = get_args(FairnessMode)
 SHARED_TENANT = ""                # requests with no key, no user, no tenant field
@@ -64,12 +66,7 @@ PROMPT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0
 MAX_TENANT_CHARS = 256
 RESERVED_PREFIX = "jitney:"       # metric labels of the shared tenant and of `other`
-MAX_TENANT_WEIGHT = 1000.0
 MAX_IDLE_TENANTS = 4096
-# A weight in a key file or a flag: looks like a number (so a bad one is an
-# error, not silently part of a key).
-_NUMBERISH = re.compile(r"[-+]?[0-9.]*[0-9][0-9.eE+-]*|[-+]?(inf|nan|infinity)", re.IGNORECASE)
-
 
 def tenant_problem(tenant: str) -> str | None:
     """Why a client-given tenant (``user``, ``tenant``) is refused, or None."""
@@ -80,21 +77,6 @@ def tenant_problem(tenant: str) -> str | None:
     if tenant.startswith(RESERVED_PREFIX):
         return f"must not start with {RESERVED_PREFIX!r} (reserved for the server's own labels)"
     return None
-
-
-def looks_like_weight(text: str) -> bool:
-    return _NUMBERISH.fullmatch(text.strip()) is not None
-
-
-def parse_weight(text: str) -> float:
-    """A tenant weight: a number in (0, MAX_TENANT_WEIGHT]. Raises ValueError."""
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = math.nan
-    if not 0 < weight <= MAX_TENANT_WEIGHT:
-        raise ValueError(f"a tenant weight is a number in (0, {MAX_TENANT_WEIGHT:g}], got {text.strip()!r}")
-    return weight
 
 
 def check_weights(weights: Iterable[tuple[str, float]]) -> None:

@@ -40,7 +40,7 @@ import grpc
 
 from jitney.common.arg_types import positive_int
 from jitney.common.ports import bind_problem
-from jitney.scheduler.core.fairness import looks_like_weight, parse_weight
+from jitney.common.tenant_weights import looks_like_weight, parse_weight
 
 SHORT_KEY = 16                        # warn below this many characters
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -297,7 +297,7 @@ def test_weights_of_the_flag_and_the_key_file() -> None:
 
 @pytest.fixture(scope="module")
 def fair_server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.scheduler.test_security import InProcessScheduler
+    from tests.support.in_process_scheduler import InProcessScheduler
 
     folder = tmp_path_factory.mktemp("fair")
     keys = folder / "keys.txt"
