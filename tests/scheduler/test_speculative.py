@@ -124,6 +124,28 @@ def test_speculating_steps_keep_the_budget_and_the_tables() -> None:
     assert scheduler.block_manager.num_used_blocks == 0
 
 
+def test_rule_learns_its_cost_from_decode_steps_only() -> None:
+    """A draft is priced as a sampled row: steps with prefill chunks (tokens that
+    skip the head and the sampler) do not enter the rule's cost model."""
+    config = _config(max_num_batched_tokens=16, max_num_seqs=4)
+    scheduler = Scheduler(config)
+    worker = FakeWorker.for_config(config, model=periodic(3))
+    for r in _requests(4, max_tokens=12, seed=3):
+        scheduler.add_request(r)
+    assert scheduler.speculation is not None
+    seen = {"prefill": 0, "decode": 0}
+    while scheduler.has_work():
+        before = scheduler.speculation.cost.num_observed
+        output, _ = drive_step(scheduler, worker)
+        scheduler.observe_step_time(output, 0.01)
+        if not output.scheduled:
+            continue            # (an empty step has no time to learn from)
+        decode_only = all(c.num_new_tokens == 1 + c.num_draft_tokens for c in output.scheduled)
+        seen["decode" if decode_only else "prefill"] += 1
+        assert scheduler.speculation.cost.num_observed == min(before + decode_only, 64)
+    assert seen["prefill"] and seen["decode"]     # both kinds of step were met
+
+
 def test_drafts_never_exceed_max_tokens() -> None:
     for max_tokens in (1, 2, 3, 7):
         scheduler, _ = _run(_config(), reqs := _requests(3, max_tokens=max_tokens, seed=max_tokens))
