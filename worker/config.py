@@ -267,7 +267,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="a token's results never depend on its batch: the Triton matmul on CUDA (slower); "
-                            "--no-batch-invariant lets the CPU use oneDNN's faster kernels "
+                            "--no-batch-invariant runs oneDNN's matmuls and SDPA on the CPU, which on the "
+                            "Zen 5 test machine took 2.1x as long on offline-64 (bench/invariance_cost.py) "
                             "(default: on for the CPU, off on CUDA)")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                        help="int8: weight-only int8 linear layers and head, per-channel scales computed at load; "
