@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sampler_processors as sp  # noqa: E402
+from bench import sampler_processors as sp  # noqa: E402
 
 import jitney.worker.runner.sampler as sampler  # noqa: E402
 
@@ -37,7 +36,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    sp.MODES = ((0.0, 1.0),)      # every row greedy
+    sp.MODES = ((0.0, 1.0),)      # type: ignore[assignment]  # every row greedy
     rows, vocab = args.rows, args.vocab
     logits = sp.zipf_logits(rows, vocab)
     batch, step = sp.staged(rows, vocab)
@@ -67,12 +66,12 @@ def main() -> int:
         times["none"].append(run(None))
         sampler.mask_logits_ = new
         times["new"].append(run(masks))
-        sampler.mask_logits_ = lambda x, w: sampler.mask_logits(x, w)
+        sampler.mask_logits_ = lambda logits, words: sampler.mask_logits(logits, words)
         times["old"].append(run(masks))
     sampler.mask_logits_ = new
     print(f"rows {rows}, vocab {vocab}, reps {args.reps}: sample_step medians, ms")
-    for name, t in times.items():
-        print(f"{name:5s} {1e3 * float(np.median(t[10:])):.3f}")
+    for name, samples in times.items():
+        print(f"{name:5s} {1e3 * float(np.median(samples[10:])):.3f}")
     return 0
 
 
