@@ -33,13 +33,14 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
+from jitney.scheduler.core.drafting import DraftingSteps
 from jitney.scheduler.core.fairness import TenantFairness, TenantReport
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
-from jitney.scheduler.core.speculative import DraftCandidate, Drafter, ModelDrafter, SpeculationPolicy, make_drafter
+from jitney.scheduler.core.schedule_output import ScheduledChunk, SchedulerOutput
+from jitney.scheduler.core.speculative import Drafter, ModelDrafter, SpeculationPolicy, make_drafter
 from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 
 # --max-step-ms: where the decodes alone are predicted over the target, a
@@ -47,54 +48,17 @@ from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 PREFILL_SHARE = 0.25
 
 
-@dataclass
-class ScheduledChunk:
-    """One request's share of a step: positions [start, start + n)."""
-
-    request: Request
-    start_position: int        # num_computed_tokens before this step
-    num_new_tokens: int
-    token_ids: list[int]       # all_token_ids[start:start + n]
-    new_block_ids: list[int]   # appended to the block table this step
-    sample: bool               # the chunk reaches num_tokens: sample one
-    # Its last token is still being sampled by the step before (not in
-    # token_ids): the worker fills it in.
-    last_token_from_sample: bool = False
-    # Speculative decoding: the last this many of token_ids are drafts to
-    # verify (the chunk yields 1 + those accepted).
-    num_draft_tokens: int = 0
-    # Draft model: the worker proposes this many tokens after the step (speculative.ModelDrafter).
-    num_proposals: int = 0
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan of one step, before it is encoded for the worker."""
-
-    step_id: int                                   # 1, 2, 3, ... per schedule()
-    scheduled: list[ScheduledChunk] = field(default_factory=list)   # batch order
-    new_seqs: list[Request] = field(default_factory=list)     # worker has no state
-    freed_seq_ids: list[int] = field(default_factory=list)    # worker forgets first
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    # The first plan after a failed step: the worker forgets every sequence first.
-    reset: bool = False
-    # --max-step-ms: the step-cost model's model seconds for this step, when planned.
-    predicted_seconds: float | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing for the worker: no chunk to run, no sequence to free, no reset."""
-        return not self.scheduled and not self.freed_seq_ids and not self.reset
-
-
 def _queue_key(request: Request) -> tuple[int, float, int]:
     """Boarding order; the largest key among running is preempted first."""
     return (-request.priority, request.arrival_time, request.seq_id)
 
 
-class Scheduler:
-    """Continuous-batching scheduler owning the logical KV cache."""
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
+
+
+class Scheduler(DraftingSteps):
+    """Continuous-batching scheduler owning the logical KV cache (its steps'
+    drafts: ``DraftingSteps``)."""
 
     def __init__(self, config: SchedulerConfig,
                  eos_token_ids: frozenset[int] = frozenset(), *,
@@ -391,100 +355,6 @@ class Scheduler:
         return sum(chunk_keys(c.start_position, c.num_new_tokens, window) for c in output.scheduled)
 
     # -- speculative decoding ------------------------------------------------
-    def _draft_cap(self, chunk: ScheduledChunk) -> int:
-        """Drafts this step's ``chunk`` may verify: never past max_tokens nor
-        the context (it yields up to 1 + drafts tokens); 0 unless it is the
-        decode of a request whose every token is known (its only pending
-        sample is this chunk's), not under a grammar."""
-        request = chunk.request
-        if (not request.may_draft or not chunk.sample or chunk.num_new_tokens != 1
-                or chunk.last_token_from_sample or request.num_pending_samples != 1
-                or not request.num_output_tokens or chunk.start_position != request.num_tokens - 1):
-            return 0
-        return max(0, min(self.config.num_speculative_tokens,
-                          request.sampling.max_tokens - request.num_output_tokens - 1,
-                          self.config.max_model_len - request.num_tokens - 1))
-
-    def _add_drafts(self, output: SchedulerOutput) -> None:
-        """Extend this step's decodes with drafts, as the rule allows, from
-        the budget the step left (drafts never preempt nor stop a boarding)."""
-        budget = self._budget_left(output)
-        assert self._drafter is not None and self.speculation is not None
-        if budget <= 0:
-            return
-        candidates, chunks = [], {}
-        num_sampled = sum(c.sample for c in output.scheduled)
-        for chunk in output.scheduled:
-            request, cap = chunk.request, self._draft_cap(chunk)
-            if cap and not self.speculation.worth_drafting(request.seq_id, output.num_batched_tokens, num_sampled):
-                cap = 0     # not even one draft would pay: no proposal asked for
-            proposal = self._drafter.propose(request, cap) if cap else []
-            if proposal:
-                candidates.append(DraftCandidate(request.seq_id, proposal))
-                chunks[request.seq_id] = chunk
-        if not candidates:
-            return
-        lengths = self.speculation.draft_lengths(candidates, output.num_batched_tokens, num_sampled, budget)
-        for candidate in candidates:
-            k = lengths.get(candidate.seq_id, 0)
-            if k:
-                self._extend_with_drafts(chunks[candidate.seq_id], candidate.proposal[:k], output)
-
-    def _extend_with_drafts(self, chunk: ScheduledChunk, drafts: list[int], output: SchedulerOutput) -> None:
-        request, k = chunk.request, len(drafts)
-        if not self.block_manager.can_allocate(self.block_manager.blocks_needed(request, k)):
-            return
-        table_len = len(request.block_ids)
-        self.block_manager.allocate_for(request, k)
-        chunk.new_block_ids = chunk.new_block_ids + request.block_ids[table_len:]
-        chunk.token_ids = chunk.token_ids + drafts
-        chunk.num_new_tokens += k
-        chunk.num_draft_tokens = k
-        request.num_computed_tokens += k
-        request.num_draft_tokens = k
-        output.num_batched_tokens += k
-
-    def _ask_for_proposals(self, output: SchedulerOutput) -> None:
-        """Draft model: the samples of this step the worker drafts for after it,
-        where the rule says a draft would pay (its cost included), as many as the
-        next step could verify."""
-        assert self.speculation is not None
-        num_sampled = sum(c.sample for c in output.scheduled)
-        for chunk in output.scheduled:
-            request = chunk.request
-            k = min(self.config.num_speculative_tokens,
-                    request.sampling.max_tokens - request.num_output_tokens - request.num_pending_samples - 1,
-                    self.config.max_model_len - request.num_tokens - request.num_pending_samples - 1)
-            if (chunk.sample and request.may_draft and k > 0
-                    and self.speculation.worth_drafting(request.seq_id, output.num_batched_tokens, num_sampled)):
-                chunk.num_proposals = k
-
-    def take_proposals(self, proposals: Sequence[tuple[int, int, Sequence[int]]], seconds: float,
-                       num_tokens: int) -> None:
-        """Draft model: a step's (seq id, start, tokens) proposals, for the live
-        requests, and the draft's time (the rule's cost)."""
-        if not isinstance(self._drafter, ModelDrafter) or self.speculation is None:
-            return
-        for seq_id, start, tokens in proposals:
-            if seq_id in self._requests:
-                self._drafter.receive(seq_id, start, tokens)
-        self.speculation.observe_draft(seconds, num_tokens)
-
-    def wants_to_draft(self) -> bool:
-        """Whether a running request would likely verify drafts in a step
-        planned once the steps in flight are in (the engine then waits for
-        them: drafts need every token known). Judged on the tokens known now."""
-        if self._drafter is None or self.speculation is None:
-            return False
-        n = len(self._running)
-        for request in self._running:
-            if (request.may_draft and request.num_output_tokens and not request.num_draft_tokens
-                    and request.sampling.max_tokens - request.num_output_tokens - request.num_pending_samples > 1
-                    and self.speculation.worth_drafting(request.seq_id, n, n)
-                    and self._drafter.propose(request, 1)):
-                return True
-        return False
-
     def observe_step_time(self, output: SchedulerOutput, model_seconds: float) -> None:
         """A step's measured model time, for the rule's cost model and the step's.
         The rule prices a draft, a sampled row (the head and the sampler run
@@ -496,24 +366,6 @@ class Scheduler:
                                                 for c in output.scheduled):
             self.speculation.cost.observe(output.num_batched_tokens, model_seconds)
         self.step_cost.observe(output.num_batched_tokens, model_seconds, self._step_keys(output))
-
-    def _verified(self, chunk: ScheduledChunk, accepted: int) -> None:
-        """Count a verified chunk and roll the request back to what was accepted:
-        the table keeps the blocks positions up to the accepted end need (the
-        worker cuts its own the same way)."""
-        request, drafted = chunk.request, chunk.num_draft_tokens
-        request.num_draft_tokens = 0
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        self.acceptance_counts[min(accepted, len(self.acceptance_counts) - 1)] += 1
-        if self.speculation is not None:
-            self.speculation.observe(request.seq_id, drafted, accepted)
-        if request.is_finished:
-            return
-        end = chunk.start_position + chunk.num_new_tokens - drafted + accepted
-        request.num_computed_tokens = end
-        self.block_manager.truncate(request, cdiv(end, self.config.block_size))
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         self._unschedule(victim, output)

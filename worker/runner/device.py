@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -124,3 +125,39 @@ def resolve_batch_invariant(config: WorkerConfig, device: torch.device, dtype: t
     if config.batch_invariant and device.type == "cpu" and not cpu_ok:
         raise ValueError(f"--batch-invariant on the CPU needs --dtype bfloat16 or float32, not {dtype_name(dtype)}")
     return config.batch_invariant
+
+
+class ModelTimer:
+    """Time of forward + logits: host time on the CPU, GPU time between two events on CUDA.
+    One per runner, started at each step (the events are made once, and recorded on the
+    device's current stream found by index, ``cuda_index``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.started = self.elapsed = 0.0
+        if self.cuda:
+            self.index = cuda_index(device)
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        if self.cuda:
+            self.start_event.record(torch.cuda.current_stream(self.index))
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end_event.record(torch.cuda.current_stream(self.index))
+        else:
+            self.elapsed = time.perf_counter() - self.started
+
+    def sync(self) -> None:
+        """Wait for the device (a step that samples nothing has no other sync)."""
+        if self.cuda:
+            self.end_event.synchronize()
+
+    def seconds(self) -> float:
+        """Call after the device passed ``stop`` (the results' copy, or ``sync``)."""
+        if self.cuda:
+            return self.start_event.elapsed_time(self.end_event) / 1000
+        return self.elapsed

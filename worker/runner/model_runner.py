@@ -43,8 +43,8 @@ from jitney.worker.attention.backends import make_attention_backend, prefill_blo
 from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.draft_model import DraftModel
 from jitney.worker.runner.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
-from jitney.worker.runner.device import (cuda_index, dtype_name, resolve_batch_invariant, resolve_device, resolve_dtype,
-                                  skinny_rows, step_defaults)
+from jitney.worker.runner.device import (ModelTimer, dtype_name, resolve_batch_invariant, resolve_device,
+                                         resolve_dtype, skinny_rows, step_defaults)
 from jitney.worker.runner.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loading.loader import load_model
@@ -171,7 +171,7 @@ class ModelRunner:
         # learn it from the tokens rank 0 relays with the next plan: ``note_samples``).
         self._unverified: dict[int, ChunkRow] = {}
         graph_safe = self.model.backend.graph_safe
-        self._timer = _ModelTimer(self.device)
+        self._timer = ModelTimer(self.device)
         self.batch = InputBatch(max_num_seqs=max_seqs, max_num_tokens=max_tokens,
                                 max_blocks_per_seq=self.limits.max_blocks_per_seq,
                                 block_size=config.block_size, device=self.device, vocab_size=self.facts.vocab_size,
@@ -584,42 +584,6 @@ def _last_sampled(state: SequenceState) -> int:
 
 def _not_a_decode(chunk: StepChunk) -> bool:
     return len(chunk.tokens) != 1
-
-
-class _ModelTimer:
-    """Time of forward + logits: host time on the CPU, GPU time between two events on CUDA.
-    One per runner, started at each step (the events are made once, and recorded on the
-    device's current stream found by index, ``cuda_index``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.started = self.elapsed = 0.0
-        if self.cuda:
-            self.index = cuda_index(device)
-            self.start_event = torch.cuda.Event(enable_timing=True)
-            self.end_event = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        self.started = time.perf_counter()
-        if self.cuda:
-            self.start_event.record(torch.cuda.current_stream(self.index))
-
-    def stop(self) -> None:
-        if self.cuda:
-            self.end_event.record(torch.cuda.current_stream(self.index))
-        else:
-            self.elapsed = time.perf_counter() - self.started
-
-    def sync(self) -> None:
-        """Wait for the device (a step that samples nothing has no other sync)."""
-        if self.cuda:
-            self.end_event.synchronize()
-
-    def seconds(self) -> float:
-        """Call after the device passed ``stop`` (the results' copy, or ``sync``)."""
-        if self.cuda:
-            return self.start_event.elapsed_time(self.end_event) / 1000
-        return self.elapsed
 
 
 def _unpack(packed: torch.Tensor | np.ndarray) -> tuple[list[int], list[float]]:
