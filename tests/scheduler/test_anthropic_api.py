@@ -18,7 +18,7 @@ import pytest
 
 from jitney.scheduler.api.http.anthropic.events import MessageAssembler
 from jitney.scheduler.api.http.anthropic.protocol import AnthropicError, parse_messages_request
-from tests.support.door_harness import Harness
+from tests.support.door_harness import Harness, text_worker_harness
 from tests.support.scripted_worker import MODEL, PLAIN, make_tokenizer
 from tests.support.text_worker import TextWorker
 from tests.support.waiting import wait_for
@@ -35,13 +35,8 @@ def call(name: str, args: str) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     tok = make_tokenizer()
-    harness = Harness(tmp_path_factory.mktemp("ipc"), tok)
-    harness.worker = TextWorker(tok)
-    try:
-        harness.start_worker()
+    with text_worker_harness(tmp_path_factory.mktemp("ipc"), tok) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 @pytest.fixture

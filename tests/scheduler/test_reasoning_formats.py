@@ -77,15 +77,9 @@ def test_a_format_that_does_not_compile_names_its_field(compiler: GrammarCompile
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tok: Any) -> Any:
-    from tests.support.door_harness import Harness
-    from tests.support.text_worker import TextWorker
-    harness = Harness(tmp_path_factory.mktemp("ipc"), tok)
-    harness.worker = TextWorker(tok)
-    try:
-        harness.start_worker()
+    from tests.support.door_harness import text_worker_harness
+    with text_worker_harness(tmp_path_factory.mktemp("ipc"), tok) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 def params(fmt: pb.ResponseFormat, kwargs: str = "") -> pb.GenerationParams:

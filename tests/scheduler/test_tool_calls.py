@@ -14,9 +14,8 @@ import openai
 import pydantic
 import pytest
 
-from tests.support.door_harness import Harness
+from tests.support.door_harness import Harness, text_worker_harness
 from tests.support.scripted_worker import MODEL, PLAIN, make_tokenizer
-from tests.support.text_worker import TextWorker
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather now in a city",
@@ -37,13 +36,8 @@ def call(name: str, args: str) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     tok = make_tokenizer()
-    harness = Harness(tmp_path_factory.mktemp("ipc"), tok)
-    harness.worker = TextWorker(tok)
-    try:
-        harness.start_worker()
+    with text_worker_harness(tmp_path_factory.mktemp("ipc"), tok) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 def spell(server: Harness, text: str) -> None:

@@ -161,17 +161,11 @@ def test_llama32_template_is_llama3_and_its_call_parses_back() -> None:
 
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from tests.support.door_harness import Harness
-    from tests.support.text_worker import TextWorker
+    from tests.support.door_harness import text_worker_harness
     tok = make_tokenizer()
     tok.chat_template = QWEN3
-    harness = Harness(tmp_path_factory.mktemp("ipc"), tok)
-    harness.worker = TextWorker(tok)
-    try:
-        harness.start_worker()
+    with text_worker_harness(tmp_path_factory.mktemp("ipc"), tok) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 def test_qwen3_thinks_then_calls_through_the_door(qwen_server: Any) -> None:

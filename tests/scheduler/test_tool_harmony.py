@@ -29,8 +29,8 @@ from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
 from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask, engine_grammar
 from jitney.v1 import generation_pb2 as pb
-from tests.support.scripted_worker import EOS, VOCAB, allowed, make_tokenizer
-from tests.support.text_worker import pick
+from tests.support.scripted_worker import EOS, VOCAB, make_tokenizer
+from tests.support.text_worker import walk_step
 from tests.support.tool_schemas import SCHEMAS
 
 TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
@@ -208,11 +208,7 @@ def test_random_walks_give_schema_valid_calls(tok: Any, compiler: GrammarCompile
     output, ids = "", []
     mask = allocate_bitmask(1, VOCAB)[0]
     for _ in range(400):
-        matcher.fill_bitmask(mask)
-        ok = [t for t in range(VOCAB) if allowed(mask.tobytes(), t)]
-        rest = lead[len(output):] if lead.startswith(output) else ""
-        token = pick(ok, texts, rest, None) if rest else pick(ok, texts, "", rng)
-        assert matcher.accept_token(token), matcher.error()
+        token = walk_step(matcher, mask, texts, lead, output, rng)
         if token == EOS:
             break
         ids.append(token)
@@ -255,15 +251,9 @@ def test_detokenizer_keeps_only_the_markers_asked_for(tok: Any) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tok: Any) -> Any:
-    from tests.support.door_harness import Harness
-    from tests.support.text_worker import TextWorker
-    harness = Harness(tmp_path_factory.mktemp("ipc"), tok)
-    harness.worker = TextWorker(tok)
-    try:
-        harness.start_worker()
+    from tests.support.door_harness import text_worker_harness
+    with text_worker_harness(tmp_path_factory.mktemp("ipc"), tok) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 def test_gpt_oss_through_the_door(server: Any) -> None:

@@ -22,9 +22,9 @@ from jitney.scheduler.api.tools.grammar import tool_grammar
 from jitney.scheduler.api.tools.spec import ToolRequest, ToolSpec
 from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask
-from tests.support.scripted_worker import EOS, VOCAB, allowed, make_tokenizer
+from tests.support.scripted_worker import EOS, VOCAB, make_tokenizer
 from tests.support.tool_schemas import SCHEMAS
-from tests.support.text_worker import pick
+from tests.support.text_worker import walk_step
 
 
 
@@ -56,11 +56,7 @@ def test_random_walks_give_schema_valid_calls(setup: tuple[Any, GrammarCompiler,
     lead = "ok " + fmt.open if choice == "auto" and rng.random() < 0.8 else ""
     mask = allocate_bitmask(1, VOCAB)[0]
     for _ in range(400):
-        matcher.fill_bitmask(mask)
-        ok = [t for t in range(VOCAB) if allowed(mask.tobytes(), t)]
-        rest = lead[len(output):] if lead.startswith(output) else ""
-        token = pick(ok, texts, rest, None) if rest else pick(ok, texts, "", rng)
-        assert matcher.accept_token(token), matcher.error()
+        token = walk_step(matcher, mask, texts, lead, output, rng)
         if token == EOS:
             break
         ids.append(token)

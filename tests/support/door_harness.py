@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,19 @@ class Harness:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+
+
+@contextmanager
+def text_worker_harness(folder: Path, tokenizer: Any) -> Iterator[Harness]:
+    """A Harness whose worker writes a chosen text (``TextWorker``), started and
+    closed around the block: the tool and reasoning door tests' server."""
+    from tests.support.text_worker import TextWorker
+
+    harness = Harness(folder, tokenizer)
+    harness.worker = TextWorker(tokenizer)
+    try:
+        harness.start_worker()
+        yield harness
+    finally:
+        harness.close()
+

@@ -57,3 +57,16 @@ def pick(ok: list[int], texts: list[str], rest: str, rng: random.Random | None) 
     # Off the target (the grammar refused it): head for the end of the output.
     closing = [t for t in ok if texts[t] and texts[t][0] in '"}]\n<']
     return min(closing, key=lambda t: len(texts[t])) if closing else ok[0]
+
+
+def walk_step(matcher: Any, mask: Any, texts: list[str], lead: str, output: str,
+              rng: random.Random) -> int:
+    """One token of a random walk under ``matcher``'s grammar, fed to it: what
+    spells the rest of ``lead`` while ``output`` is a prefix of it, else random.
+    ``mask``: one bitmask row (``allocate_bitmask(1, VOCAB)[0]``), reused."""
+    matcher.fill_bitmask(mask)
+    ok = [t for t in range(VOCAB) if allowed(mask.tobytes(), t)]
+    rest = lead[len(output):] if lead.startswith(output) else ""
+    token = pick(ok, texts, rest, None) if rest else pick(ok, texts, "", rng)
+    assert matcher.accept_token(token), matcher.error()
+    return token
