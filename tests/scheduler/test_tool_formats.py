@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,17 +21,11 @@ from jitney.scheduler.api.tools.spec import tool_request
 from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.grammar import GrammarCompiler
+from tests.support.tool_turns import TOOLS, chat_template, weather_turns
 from tests.support.scripted_worker import EOS, VOCAB, make_tokenizer
 
-TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
-QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-TURNS = [{"role": "user", "content": "weather in Paris?"},
-         {"role": "assistant", "content": None, "tool_calls": [
-             {"id": "call_1", "type": "function",
-              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+QWEN3 = chat_template("Qwen-Qwen3-0.6B.jinja")
+TURNS = weather_turns()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +126,7 @@ def test_llama3_text_that_does_not_start_with_a_call_is_content() -> None:
     assert parser.calls == [] and parser.content.startswith("The call")
 
 
-LLAMA32 = (TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()
+LLAMA32 = chat_template("meta-llama-Llama-3.2-3B-Instruct.jinja")
 
 
 def test_llama32_template_is_llama3_and_its_call_parses_back() -> None:

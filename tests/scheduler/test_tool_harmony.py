@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -29,19 +28,13 @@ from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
 from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask, engine_grammar
 from jitney.v1 import generation_pb2 as pb
+from tests.support.tool_turns import TOOLS, chat_template, weather_turns
 from tests.support.scripted_worker import EOS, VOCAB, make_tokenizer
 from tests.support.text_worker import walk_step
 from tests.support.tool_schemas import SCHEMAS
 
-TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
-GPT_OSS = (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-TURNS = [{"role": "user", "content": "weather in Paris?"},
-         {"role": "assistant", "content": None, "tool_calls": [
-             {"id": "call_1", "type": "function",
-              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+GPT_OSS = chat_template("openai-gpt-oss-120b.jinja")
+TURNS = weather_turns()
 CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant"
         '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
 ANSWER = ("<|channel|>analysis<|message|>Easy: <b>22</b> C.<|end|><|start|>assistant"

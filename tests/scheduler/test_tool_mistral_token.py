@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -26,22 +25,16 @@ from jitney.scheduler.api.tools.stream import OutputParser
 from jitney.scheduler.api.validation import ModelLimits, render_prompt
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
 from jitney.scheduler.core.grammar import GrammarCompiler, allocate_bitmask
+from tests.support.tool_turns import TOOLS, chat_template, weather_turns
 from tests.support.scripted_worker import EOS, VOCAB, make_tokenizer
 from tests.support.text_worker import walk_step
 from tests.support.tool_schemas import SCHEMAS
 
-TEMPLATES = Path(__file__).parents[1] / "support" / "data" / "chat_templates"
-NEMO = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+NEMO = chat_template("mistralai-Mistral-Nemo-Instruct-2407.jinja")
 # Mistral's control tokens, special in its tokenizer
 CONTROL = ("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
            "[TOOL_CALLS]")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-TURNS = [{"role": "user", "content": "weather in Paris?"},
-         {"role": "assistant", "content": None, "tool_calls": [
-             {"id": "call00001", "type": "function",
-              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-         {"role": "tool", "tool_call_id": "call00001", "content": "22 C"}]
+TURNS = weather_turns("call00001")
 CALLS = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
