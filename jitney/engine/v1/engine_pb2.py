@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djitney/engine/v1/engine.proto\x12\x10jitney.engine.v1\"\xfa\x02\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x16\n\x0elogit_bias_ids\x18\t \x03(\r\x12\x19\n\x11logit_bias_values\x18\n \x03(\x02\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1d\n\x15min_tokens_banned_ids\x18\x0c \x03(\r\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x0f \x01(\rB\x12\n\x10_prompt_logprobs\"\x8d\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .jitney.engine.v1.SamplingConfig\x12\x19\n\x11\x63ontext_token_ids\x18\x03 \x03(\r\x12\x1f\n\x17\x64raft_context_token_ids\x18\x04 \x03(\r\"\xd3\x01\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x1e\n\x16last_token_from_sample\x18\x06 \x01(\x08\x12\x0e\n\x06masked\x18\x07 \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x15\n\rnum_proposals\x18\t \x01(\r\"\xa9\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rfreed_seq_ids\x18\x02 \x03(\x04\x12\x34\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x1d.jitney.engine.v1.NewSequence\x12\x30\n\x06\x63hunks\x18\x04 \x03(\x0b\x32 .jitney.engine.v1.ScheduledChunk\x12\r\n\x05reset\x18\x05 \x01(\x08\">\n\tStepMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\"\n\n\x08Shutdown\"\xb9\x01\n\x10SchedulerMessage\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1a.jitney.engine.v1.StepPlanH\x00\x12.\n\x08shutdown\x18\x02 \x01(\x0b\x32\x1a.jitney.engine.v1.ShutdownH\x00\x12,\n\x05masks\x18\x03 \x01(\x0b\x32\x1b.jitney.engine.v1.StepMasksH\x00\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x42\x06\n\x04kind\"\x9b\x04\n\x05Ready\x12;\n\x10protocol_version\x18\x01 \x01(\x0e\x32!.jitney.engine.v1.ProtocolVersion\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nworker_pid\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x16\n\x0ewarmup_seconds\x18\r \x01(\x01\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0e \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\x12\x14\n\x0cquantization\x18\x10 \x01(\t\x12\x1c\n\x14model_implementation\x18\x11 \x01(\t\x12#\n\x1b\x62\x61tch_invariance_guaranteed\x18\x12 \x01(\x08\x12\x16\n\x0esliding_window\x18\x13 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x14 \x01(\t\x12\x18\n\x10\x64raft_num_blocks\x18\x15 \x01(\r\"\xd4\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x16\n\x0eworker_seconds\x18\x05 \x01(\x01\x12\x15\n\rmodel_seconds\x18\x06 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .jitney.engine.v1.PromptLogprobs\x12\x32\n\tproposals\x18\n \x03(\x0b\x32\x1f.jitney.engine.v1.DraftProposal\x12\x15\n\rdraft_seconds\x18\x0b \x01(\x01\x12\x1d\n\x15\x64raft_proposed_tokens\x18\x0c \x01(\r\"J\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x8a\x01\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"@\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tdiscarded\x18\x03 \x01(\x08\"\x1f\n\tHeartbeat\x12\x12\n\nworker_pid\x18\x01 \x01(\r\"\xe6\x01\n\rWorkerMessage\x12(\n\x05ready\x18\x01 \x01(\x0b\x32\x17.jitney.engine.v1.ReadyH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.jitney.engine.v1.StepResultH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.jitney.engine.v1.StepErrorH\x00\x12\x30\n\theartbeat\x18\x04 \x01(\x0b\x32\x1b.jitney.engine.v1.HeartbeatH\x00\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x42\x06\n\x04kind\"\xa3\x01\n\x0bRankMessage\x12*\n\x04step\x18\x01 \x01(\x0b\x32\x1a.jitney.engine.v1.RankStepH\x00\x12.\n\x08shutdown\x18\x02 \x01(\x0b\x32\x1a.jitney.engine.v1.ShutdownH\x00\x12\x30\n\theartbeat\x18\x03 \x01(\x0b\x32\x1b.jitney.engine.v1.HeartbeatH\x00\x42\x06\n\x04kind\"h\n\x08RankStep\x12(\n\x04plan\x18\x01 \x01(\x0b\x32\x1a.jitney.engine.v1.StepPlan\x12\x17\n\x0fsampled_seq_ids\x18\x02 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r*c\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djitney/engine/v1/engine.proto\x12\x10jitney.engine.v1\"\xfa\x02\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x16\n\x0elogit_bias_ids\x18\t \x03(\r\x12\x19\n\x11logit_bias_values\x18\n \x03(\x02\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1d\n\x15min_tokens_banned_ids\x18\x0c \x03(\r\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x0f \x01(\rB\x12\n\x10_prompt_logprobs\"\xa0\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .jitney.engine.v1.SamplingConfig\x12\x19\n\x11\x63ontext_token_ids\x18\x03 \x03(\r\x12\x1f\n\x17\x64raft_context_token_ids\x18\x04 \x03(\r\x12\x11\n\tlora_slot\x18\x05 \x01(\r\"4\n\x08LoraLoad\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"\xd3\x01\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x1e\n\x16last_token_from_sample\x18\x06 \x01(\x08\x12\x0e\n\x06masked\x18\x07 \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x15\n\rnum_proposals\x18\t \x01(\r\"\xd9\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rfreed_seq_ids\x18\x02 \x03(\x04\x12\x34\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x1d.jitney.engine.v1.NewSequence\x12\x30\n\x06\x63hunks\x18\x04 \x03(\x0b\x32 .jitney.engine.v1.ScheduledChunk\x12\r\n\x05reset\x18\x05 \x01(\x08\x12.\n\nlora_loads\x18\x06 \x03(\x0b\x32\x1a.jitney.engine.v1.LoraLoad\">\n\tStepMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\"\n\n\x08Shutdown\"\xb9\x01\n\x10SchedulerMessage\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1a.jitney.engine.v1.StepPlanH\x00\x12.\n\x08shutdown\x18\x02 \x01(\x0b\x32\x1a.jitney.engine.v1.ShutdownH\x00\x12,\n\x05masks\x18\x03 \x01(\x0b\x32\x1b.jitney.engine.v1.StepMasksH\x00\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x42\x06\n\x04kind\"\xf9\x04\n\x05Ready\x12;\n\x10protocol_version\x18\x01 \x01(\x0e\x32!.jitney.engine.v1.ProtocolVersion\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nworker_pid\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x16\n\x0ewarmup_seconds\x18\r \x01(\x01\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0e \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\x12\x14\n\x0cquantization\x18\x10 \x01(\t\x12\x1c\n\x14model_implementation\x18\x11 \x01(\t\x12#\n\x1b\x62\x61tch_invariance_guaranteed\x18\x12 \x01(\x08\x12\x16\n\x0esliding_window\x18\x13 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x14 \x01(\t\x12\x18\n\x10\x64raft_num_blocks\x18\x15 \x01(\r\x12\x11\n\tmax_loras\x18\x16 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x17 \x01(\r\x12\x32\n\x0clora_modules\x18\x18 \x03(\x0b\x32\x1c.jitney.engine.v1.LoraModule\"Y\n\nLoraModule\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bin_features\x18\x02 \x01(\r\x12\x14\n\x0cout_features\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\"\xd4\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x16\n\x0eworker_seconds\x18\x05 \x01(\x01\x12\x15\n\rmodel_seconds\x18\x06 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .jitney.engine.v1.PromptLogprobs\x12\x32\n\tproposals\x18\n \x03(\x0b\x32\x1f.jitney.engine.v1.DraftProposal\x12\x15\n\rdraft_seconds\x18\x0b \x01(\x01\x12\x1d\n\x15\x64raft_proposed_tokens\x18\x0c \x01(\r\"J\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x8a\x01\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"@\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tdiscarded\x18\x03 \x01(\x08\"\x1f\n\tHeartbeat\x12\x12\n\nworker_pid\x18\x01 \x01(\r\"\xe6\x01\n\rWorkerMessage\x12(\n\x05ready\x18\x01 \x01(\x0b\x32\x17.jitney.engine.v1.ReadyH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.jitney.engine.v1.StepResultH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.jitney.engine.v1.StepErrorH\x00\x12\x30\n\theartbeat\x18\x04 \x01(\x0b\x32\x1b.jitney.engine.v1.HeartbeatH\x00\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x42\x06\n\x04kind\"\xa3\x01\n\x0bRankMessage\x12*\n\x04step\x18\x01 \x01(\x0b\x32\x1a.jitney.engine.v1.RankStepH\x00\x12.\n\x08shutdown\x18\x02 \x01(\x0b\x32\x1a.jitney.engine.v1.ShutdownH\x00\x12\x30\n\theartbeat\x18\x03 \x01(\x0b\x32\x1b.jitney.engine.v1.HeartbeatH\x00\x42\x06\n\x04kind\"h\n\x08RankStep\x12(\n\x04plan\x18\x01 \x01(\x0b\x32\x1a.jitney.engine.v1.StepPlan\x12\x17\n\x0fsampled_seq_ids\x18\x02 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r*c\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jitney.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=2932
-  _globals['_PROTOCOLVERSION']._serialized_end=3031
+  _globals['_PROTOCOLVERSION']._serialized_start=3238
+  _globals['_PROTOCOLVERSION']._serialized_end=3337
   _globals['_SAMPLINGCONFIG']._serialized_start=52
   _globals['_SAMPLINGCONFIG']._serialized_end=430
   _globals['_NEWSEQUENCE']._serialized_start=433
-  _globals['_NEWSEQUENCE']._serialized_end=574
-  _globals['_SCHEDULEDCHUNK']._serialized_start=577
-  _globals['_SCHEDULEDCHUNK']._serialized_end=788
-  _globals['_STEPPLAN']._serialized_start=791
-  _globals['_STEPPLAN']._serialized_end=960
-  _globals['_STEPMASKS']._serialized_start=962
-  _globals['_STEPMASKS']._serialized_end=1024
-  _globals['_SHUTDOWN']._serialized_start=1026
-  _globals['_SHUTDOWN']._serialized_end=1036
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1039
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1224
-  _globals['_READY']._serialized_start=1227
-  _globals['_READY']._serialized_end=1766
-  _globals['_STEPRESULT']._serialized_start=1769
-  _globals['_STEPRESULT']._serialized_end=2109
-  _globals['_DRAFTPROPOSAL']._serialized_start=2111
-  _globals['_DRAFTPROPOSAL']._serialized_end=2185
-  _globals['_PROMPTLOGPROBS']._serialized_start=2188
-  _globals['_PROMPTLOGPROBS']._serialized_end=2326
-  _globals['_STEPERROR']._serialized_start=2328
-  _globals['_STEPERROR']._serialized_end=2392
-  _globals['_HEARTBEAT']._serialized_start=2394
-  _globals['_HEARTBEAT']._serialized_end=2425
-  _globals['_WORKERMESSAGE']._serialized_start=2428
-  _globals['_WORKERMESSAGE']._serialized_end=2658
-  _globals['_RANKMESSAGE']._serialized_start=2661
-  _globals['_RANKMESSAGE']._serialized_end=2824
-  _globals['_RANKSTEP']._serialized_start=2826
-  _globals['_RANKSTEP']._serialized_end=2930
+  _globals['_NEWSEQUENCE']._serialized_end=593
+  _globals['_LORALOAD']._serialized_start=595
+  _globals['_LORALOAD']._serialized_end=647
+  _globals['_SCHEDULEDCHUNK']._serialized_start=650
+  _globals['_SCHEDULEDCHUNK']._serialized_end=861
+  _globals['_STEPPLAN']._serialized_start=864
+  _globals['_STEPPLAN']._serialized_end=1081
+  _globals['_STEPMASKS']._serialized_start=1083
+  _globals['_STEPMASKS']._serialized_end=1145
+  _globals['_SHUTDOWN']._serialized_start=1147
+  _globals['_SHUTDOWN']._serialized_end=1157
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1160
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1345
+  _globals['_READY']._serialized_start=1348
+  _globals['_READY']._serialized_end=1981
+  _globals['_LORAMODULE']._serialized_start=1983
+  _globals['_LORAMODULE']._serialized_end=2072
+  _globals['_STEPRESULT']._serialized_start=2075
+  _globals['_STEPRESULT']._serialized_end=2415
+  _globals['_DRAFTPROPOSAL']._serialized_start=2417
+  _globals['_DRAFTPROPOSAL']._serialized_end=2491
+  _globals['_PROMPTLOGPROBS']._serialized_start=2494
+  _globals['_PROMPTLOGPROBS']._serialized_end=2632
+  _globals['_STEPERROR']._serialized_start=2634
+  _globals['_STEPERROR']._serialized_end=2698
+  _globals['_HEARTBEAT']._serialized_start=2700
+  _globals['_HEARTBEAT']._serialized_end=2731
+  _globals['_WORKERMESSAGE']._serialized_start=2734
+  _globals['_WORKERMESSAGE']._serialized_end=2964
+  _globals['_RANKMESSAGE']._serialized_start=2967
+  _globals['_RANKMESSAGE']._serialized_end=3130
+  _globals['_RANKSTEP']._serialized_start=3132
+  _globals['_RANKSTEP']._serialized_end=3236
 # @@protoc_insertion_point(module_scope)

@@ -51,16 +51,28 @@ class SamplingConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "context_token_ids", "draft_context_token_ids")
+    __slots__ = ("seq_id", "sampling", "context_token_ids", "draft_context_token_ids", "lora_slot")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SamplingConfig
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_context_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., draft_context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., draft_context_token_ids: _Optional[_Iterable[int]] = ..., lora_slot: _Optional[int] = ...) -> None: ...
+
+class LoraLoad(_message.Message):
+    __slots__ = ("slot", "name", "path")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    name: str
+    path: str
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
     __slots__ = ("seq_id", "start_position", "token_ids", "new_block_ids", "sample", "last_token_from_sample", "masked", "num_draft_tokens", "num_proposals")
@@ -85,18 +97,20 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., last_token_from_sample: _Optional[bool] = ..., masked: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_proposals: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks", "reset")
+    __slots__ = ("step_id", "freed_seq_ids", "new_sequences", "chunks", "reset", "lora_loads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     freed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     chunks: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
     reset: bool
-    def __init__(self, step_id: _Optional[int] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
+    def __init__(self, step_id: _Optional[int] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., reset: _Optional[bool] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
 
 class StepMasks(_message.Message):
     __slots__ = ("step_id", "seq_ids", "bitmask")
@@ -125,7 +139,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., masks: _Optional[_Union[StepMasks, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "tensor_parallel_size", "quantization", "model_implementation", "batch_invariance_guaranteed", "sliding_window", "draft_model", "draft_num_blocks")
+    __slots__ = ("protocol_version", "model_name", "vocab_size", "context_length", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "worker_pid", "max_num_seqs", "max_num_batched_tokens", "warmup_seconds", "batch_invariant", "tensor_parallel_size", "quantization", "model_implementation", "batch_invariance_guaranteed", "sliding_window", "draft_model", "draft_num_blocks", "max_loras", "max_lora_rank", "lora_modules")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +161,9 @@ class Ready(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_MODULES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_name: str
     vocab_size: int
@@ -168,7 +185,22 @@ class Ready(_message.Message):
     sliding_window: int
     draft_model: str
     draft_num_blocks: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_num_blocks: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    lora_modules: _containers.RepeatedCompositeFieldContainer[LoraModule]
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., worker_pid: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., model_implementation: _Optional[str] = ..., batch_invariance_guaranteed: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_num_blocks: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., lora_modules: _Optional[_Iterable[_Union[LoraModule, _Mapping]]] = ...) -> None: ...
+
+class LoraModule(_message.Message):
+    __slots__ = ("name", "in_features", "out_features", "num_layers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OUT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    in_features: int
+    out_features: int
+    num_layers: int
+    def __init__(self, name: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "worker_seconds", "model_seconds", "top_token_ids", "top_logprobs", "prompt_logprobs", "proposals", "draft_seconds", "draft_proposed_tokens")
