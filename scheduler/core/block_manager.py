@@ -14,11 +14,12 @@ A request's block table (``request.block_ids``) covers positions
 
 Prefix cache. Only *full* blocks get a key, chained from the parent's key:
 
-    root          = sha256("jitney-prefix-v1\\0" + cache_salt)
+    root          = sha256("jitney-prefix-v1\\0" + cache_salt [+ "\\0lora:" + adapter id])
     key(block i)  = sha256(key(block i-1) + token ids of block i, uint64 LE)
 
 so one key names the whole token prefix up to the end of block i, for one
-salt (tenants with different salts never share). A cached block also keeps
+salt and adapter (tenants with different salts never share; nor do LoRA
+adapters, keyed by their registration id, lora.py). A cached block also keeps
 its parent key and token ids, and every hit is checked against them.
 
 * A full block is registered (``cache_full_blocks``) once the chunk that
@@ -71,9 +72,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def root_key(cache_salt: str) -> bytes:
-    """The parent key of a sequence's first block."""
-    return hashlib.sha256(b"jitney-prefix-v1\0" + cache_salt.encode("utf-8")).digest()
+def root_key(cache_salt: str, lora_id: int = 0) -> bytes:
+    """The parent key of a sequence's first block; ``lora_id``: its adapter's
+    registration id (lora.py; 0, the base model, keeps the base's keys)."""
+    lora = f"\0lora:{lora_id}".encode() if lora_id else b""
+    return hashlib.sha256(b"jitney-prefix-v1\0" + cache_salt.encode("utf-8") + lora).digest()
 
 
 def chain_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -341,7 +344,7 @@ class BlockManager:
         return keys[i]
 
     def _parent_key(self, request: Request, i: int) -> bytes:
-        return request.block_keys[i - 1] if i else root_key(request.cache_salt)
+        return request.block_keys[i - 1] if i else root_key(request.cache_salt, request.lora_id)
 
     def _holds(self, block_id: int, request: Request, i: int, tokens: Sequence[int]) -> bool:
         """Whether cached ``block_id`` really holds the request's block ``i``."""

@@ -94,7 +94,13 @@ class SchedulerConfig:
     divided by its weight (default 1), so weight 2 gets twice the share.
     From ``NAME:KEY:WEIGHT`` key-file lines and ``--tenant-weight``."""
 
+    max_loras: int = 0
+    """LoRA adapter slots of the worker (Ready.max_loras; 0: LoRA off): the
+    most adapters resident at once (``lora.py``)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an int >= 0, got {self.max_loras!r}")
         for name in ("block_size", "num_blocks", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
             _require_positive_int(name, getattr(self, name))

@@ -167,6 +167,9 @@ class Engine:
                 parent=parent,
                 sample_index=index,
             )
+            if validated.lora is not None:
+                req.lora_id, req.lora_name, req.lora_path = (validated.lora.lora_id, validated.lora.name,
+                                                             validated.lora.path)
             parent = parent or req
             detok = IncrementalDetokenizer(self._tokenizer, prompt, validated.sampling.stop,
                                            keep_special=validated.keep_special)

@@ -3,7 +3,10 @@
     plan field        carries
     reset             after a failed step: the worker forgets every sequence first
     freed_seq_ids     sequences the worker forgets first (finished, preempted)
-    new_sequences     sampling config of sequences the worker has no state for
+    lora_loads        adapters put into slots (after the frees, before the new
+                      sequences, which may use them: lora.py)
+    new_sequences     sampling config of sequences the worker has no state for,
+                      with their adapter slot (lora_slot; 0 = the base model)
     chunks            tokens to compute + block ids appended to the table this
                       step (a resumed sequence re-sends its whole new table)
 """
@@ -37,6 +40,7 @@ def to_step_plan(output: SchedulerOutput, eos_token_ids: frozenset[int] = frozen
                        for r in output.new_seqs],
         chunks=[_chunk(c, masked) for c in output.scheduled],
         reset=output.reset,
+        lora_loads=[engine_pb2.LoraLoad(slot=o.slot, name=o.name, path=o.path) for o in output.lora_loads],
     )
 
 
@@ -63,7 +67,7 @@ def _new_sequence(request: Request, eos_token_ids: frozenset[int], start: int,
         config.min_tokens_banned_ids.extend(sorted(min_tokens_banned(s, eos_token_ids)))
     if request.wants_prompt_logprobs:
         config.prompt_logprobs = s.prompt_logprobs or 0
-    new = engine_pb2.NewSequence(seq_id=request.seq_id, sampling=config)
+    new = engine_pb2.NewSequence(seq_id=request.seq_id, sampling=config, lora_slot=request.lora_slot)
     if start and request.penalised:    # a cached or shared prefix the worker will not compute
         new.context_token_ids.extend(request.all_token_ids[:start])
     if start and draft_model and request.may_draft:

@@ -91,6 +91,13 @@ class Request:
     may_draft: bool = True
     num_draft_tokens: int = 0
     last_step_tokens: int = 0
+    # LoRA (lora.py): the adapter's registration id (0: the base model), its
+    # name and folder (a load needs them after an unload too), and the worker
+    # slot it holds while on the worker (0: none or the base).
+    lora_id: int = 0
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_slot: int = 0
 
     @property
     def penalised(self) -> bool:
@@ -145,3 +152,4 @@ class ValidatedRequest:
     grammar: Any = None               # a grammar.CompiledGrammar: constrained output
     # special token ids the output text keeps (a tool format's markers, which the parser reads)
     keep_special: frozenset[int] = frozenset()
+    lora: Any = None                  # a lora.Adapter: the request runs with it; None: the base model

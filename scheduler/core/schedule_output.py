@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jitney.scheduler.core.lora import LoraLoadOrder
 from jitney.scheduler.core.request import Request
 
 
@@ -42,6 +43,9 @@ class SchedulerOutput:
     reset: bool = False
     # --max-step-ms: the step-cost model's model seconds for this step, when planned.
     predicted_seconds: float | None = None
+    # LoRA: adapters loaded into slots by this plan, after its frees and
+    # before its new sequences (lora.py).
+    lora_loads: list[LoraLoadOrder] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

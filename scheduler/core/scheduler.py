@@ -38,6 +38,7 @@ from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.drafting import DraftingSteps
 from jitney.scheduler.core.fairness import TenantFairness, TenantReport
+from jitney.scheduler.core.lora import LoraSlots
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.schedule_output import ScheduledChunk, SchedulerOutput
 from jitney.scheduler.core.speculative import Drafter, ModelDrafter, SpeculationPolicy, make_drafter
@@ -92,6 +93,7 @@ class Scheduler(DraftingSteps):
         self.step_cost = StepCostModel()
         self.fairness = (TenantFairness(dict(config.tenant_weights))
                          if config.fairness == "tenant" else None)
+        self.lora = LoraSlots(config.max_loras)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` if it cannot run."""
@@ -227,10 +229,15 @@ class Scheduler(DraftingSteps):
 
     def _admit_waiting(self, output: SchedulerOutput) -> None:
         seats = self._boarding_seats()
-        while self._waiting and seats > 0 and self._budget_left(output) > 0:
-            request = self._waiting[self._next_to_board()]
+        # Requests whose adapter has no slot now: they wait, those behind them may board (lora.py).
+        no_slot: list[Request] = []
+        while len(self._waiting) > len(no_slot) and seats > 0 and self._budget_left(output) > 0:
+            request = self._next_to_board(no_slot)
             if request.num_pending_samples:
                 break   # preempted with a sample in flight: board once it is in
+            if not self.lora.can_board(request.lora_id, output.lora_loads):
+                no_slot.append(request)
+                continue
             cached, shared = self._prefix_for(request)
             num_cached = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(output))
@@ -240,14 +247,17 @@ class Scheduler(DraftingSteps):
             if not self.block_manager.can_board(cached, num_cached + num_new):
                 break   # FCFS: nobody skips ahead
             self._waiting.remove(request)
+            request.lora_slot = self.lora.board(request.lora_id, request.lora_name, request.lora_path,
+                                                output.lora_loads)
             self._board(request, cached, shared)
             self._schedule_chunk(request, num_new, output)
             seats -= 1
             self._batch_left = max(0, self._batch_left - 1)
 
-    def _next_to_board(self) -> int:
-        """Index in the waiting queue of the request that boards next."""
-        return 0 if self.fairness is None else self.fairness.pick(self._waiting)
+    def _next_to_board(self, skip: list[Request]) -> Request:
+        """The waiting request that boards next, past those in ``skip``."""
+        queue = [r for r in self._waiting if r not in skip] if skip else self._waiting
+        return queue[0 if self.fairness is None else self.fairness.pick(queue)]
 
     def _victim(self) -> Request:
         """The running request preempted first."""
@@ -400,6 +410,7 @@ class Scheduler(DraftingSteps):
             self._requeue(request)
         self._on_worker.clear()
         self._pending_freed.clear()
+        self.lora.forget_loaded()    # the discarded plans' loads never ran
         self._batch_left = 0
         self._reset_worker = True
         return preempted
@@ -483,8 +494,10 @@ class Scheduler(DraftingSteps):
             self.speculation.forget(request.seq_id)
 
     def _release(self, request: Request) -> None:
-        """Free the blocks now; tell the worker in the next plan."""
+        """Free the blocks and the adapter slot now; tell the worker in the next plan."""
         self.block_manager.free(request)
+        self.lora.release(request.lora_slot)
+        request.lora_slot = 0
         if request.seq_id in self._on_worker:
             self._on_worker.discard(request.seq_id)
             self._pending_freed.append(request.seq_id)
@@ -504,6 +517,7 @@ class Scheduler(DraftingSteps):
         _check(all(r.status is RequestStatus.RUNNING and len(r.block_ids) == cdiv(
             r.num_computed_tokens, self.config.block_size) for r in self._running),
             "a running request's table does not match its progress")
+        self.lora.check_invariants(Counter(r.lora_slot for r in self._running if r.lora_slot))
         null = self.block_manager.null_block
         _check(all(null not in r.block_ids[self.block_manager.window_start(r.num_computed_tokens):]
                    for r in self._running), "a running request lost a block its window reads")

@@ -21,6 +21,14 @@ then reads positions other sequences wrote, so a wrong hit changes the
 output tokens.
 
     token sampled after position p = (sum(tokens[0..p]) * 31 + p + 1) % VOCAB
+                                     (+ lora_shift(adapter folder), under an adapter)
+
+LoRA (``max_loras`` slots): the contract of ``StepPlan.lora_loads`` and
+``NewSequence.lora_slot`` is checked as a worker would rely on it: a load
+goes into a slot 1..max_loras that no live sequence uses (never reloaded
+while held), a new sequence's slot holds an adapter, and every cached
+position remembers the adapter it was computed under: a sequence that reads
+K/V of another adapter (a prefix-cache hit across adapters) raises.
 
 With a ``window`` W (a model whose every layer is windowed) the fake model
 reads only the window, ``tokens[p - W + 1..p]``, through the table, and a
@@ -47,7 +55,7 @@ from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
 from jitney.worker.runner.plan_checks import (ChunkRow, PlanError, PlanLimits, SequenceState, accept_drafts, apply_plan_diffs,
                                 chunk_rows, chunk_tokens, validate_plan)
 
-__all__ = ["VOCAB", "FakeWorker", "PlanError", "expected_token", "reference_output", "make_request",
+__all__ = ["VOCAB", "FakeWorker", "lora_shift", "lora_reference_output", "PlanError", "expected_token", "reference_output", "make_request",
            "check_step_limits", "wire_plan", "drive_step", "run_until_idle", "run_pipelined"]
 
 VOCAB = 1000
@@ -66,6 +74,19 @@ def reference_output(prompt: list[int], num_tokens: int, window: int = 0) -> lis
     return history[len(prompt):]
 
 
+def lora_shift(path: str) -> int:
+    """How an adapter (by its folder) moves the fake model's tokens; 0 for the base ("")."""
+    return sum(path.encode()) % (VOCAB - 1) + 1 if path else 0
+
+
+def lora_reference_output(prompt: list[int], num_tokens: int, path: str) -> list[int]:
+    """``reference_output`` under the adapter of folder ``path``."""
+    history = list(prompt)
+    for _ in range(num_tokens):
+        history.append((expected_token(history) + lora_shift(path)) % VOCAB)
+    return history[len(prompt):]
+
+
 class FakeWorker:
     """Executes plans against a fake paged cache; see module docstring.
 
@@ -77,7 +98,8 @@ class FakeWorker:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, limits: PlanLimits | None = None,
-                 window: int = 0, model: Callable[[list[int]], int] | None = None) -> None:
+                 window: int = 0, model: Callable[[list[int]], int] | None = None,
+                 max_loras: int = 0) -> None:
         if limits is None:
             limits = PlanLimits(num_blocks=num_blocks, block_size=block_size,
                                 context_length=num_blocks * block_size, vocab_size=VOCAB,
@@ -96,6 +118,11 @@ class FakeWorker:
         # tests pass a model that repeats itself, so that drafts are accepted.
         self.model = model if model is not None else (lambda history: expected_token(history, window))
         self.num_accepted = 0      # drafts accepted, over every verified chunk
+        self.max_loras = max_loras
+        self.lora_slots: dict[int, str] = {}      # slot -> the adapter folder loaded there
+        self.lora_of: dict[int, tuple[int, str]] = {}   # seq_id -> (slot, folder) it runs with
+        self.lora_loads: list[tuple[int, str]] = []     # every (slot, name) loaded, in order
+        self.written_by: list[list[str]] = [[""] * block_size for _ in range(num_blocks)]
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, vocab_size: int = VOCAB,
@@ -106,7 +133,8 @@ class FakeWorker:
             num_blocks=config.num_blocks, block_size=config.block_size,
             context_length=config.max_model_len, vocab_size=vocab_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs), window=config.sliding_window, model=model)
+            max_num_seqs=config.max_num_seqs), window=config.sliding_window, model=model,
+            max_loras=config.max_loras)
 
     def execute(self, plan: engine_pb2.StepPlan) -> engine_pb2.StepResult:
         """Run one plan; return one token per sampling chunk, in order.
@@ -123,8 +151,10 @@ class FakeWorker:
             for seq_id in list(self.seqs):
                 self._release(seq_id)
             self.seqs.clear()
+            self.lora_of.clear()
         for seq_id in plan.freed_seq_ids:
             self._release(seq_id)
+        self._load_adapters(plan)
         apply_plan_diffs(plan, self.seqs)
         for chunk in plan.chunks:
             self._hold(chunk)
@@ -143,6 +173,28 @@ class FakeWorker:
                 self._accept(row, len(tokens) - 1)
         return result
 
+    def _load_adapters(self, plan: engine_pb2.StepPlan) -> None:
+        """The plan's loads (after its frees), then its new sequences' slots."""
+        for load in plan.lora_loads:
+            _require(1 <= load.slot <= self.max_loras,
+                     f"lora load into slot {load.slot}, outside 1..{self.max_loras}")
+            users = sorted(s for s, (slot, _) in self.lora_of.items() if slot == load.slot)
+            _require(not users, f"lora slot {load.slot} reloaded ({load.name}) while seqs {users} use it")
+            self.lora_slots[load.slot] = load.path
+            self.lora_loads.append((load.slot, load.name))
+        for new in plan.new_sequences:
+            if new.lora_slot:
+                _require(new.lora_slot in self.lora_slots,
+                         f"seq {new.seq_id} runs with lora slot {new.lora_slot}, which holds no adapter")
+                self.lora_of[new.seq_id] = (new.lora_slot, self.lora_slots[new.lora_slot])
+
+    def _adapter(self, seq_id: int) -> str:
+        return self.lora_of.get(seq_id, (0, ""))[1]
+
+    def _next(self, seq_id: int, history: list[int]) -> int:
+        """The model's token after ``history`` under the sequence's adapter."""
+        return (self.model(history) + lora_shift(self._adapter(seq_id))) % VOCAB
+
     def _accept(self, row: ChunkRow, accepted: int) -> None:
         """A verified chunk: the real rule (``accept_drafts``) on the state; the
         cut blocks are held no longer, the positions past the accepted ones
@@ -160,6 +212,7 @@ class FakeWorker:
         self.num_computed.pop(seq_id, None)
         self._drop_holds(seq_id, len(self.seqs[seq_id].block_table))
         self.live_from.pop(seq_id, None)
+        self.lora_of.pop(seq_id, None)
 
     def _drop_holds(self, seq_id: int, end: int) -> None:
         """The sequence holds its table entries before ``end`` no longer."""
@@ -192,7 +245,7 @@ class FakeWorker:
         self._compute(chunk)
         if not chunk.sample:
             return None
-        seq.last_sampled = self.model(self._read(chunk.seq_id))
+        seq.last_sampled = self._next(chunk.seq_id, self._read(chunk.seq_id))
         return seq.last_sampled
 
     def _verify_chunk(self, chunk: engine_pb2.ScheduledChunk, num_drafts: int) -> list[int]:
@@ -205,7 +258,7 @@ class FakeWorker:
         base = len(history) - num_drafts
         chosen: list[int] = []
         for j in range(num_drafts + 1):
-            chosen.append(self.model(history[:base + j]))
+            chosen.append(self._next(chunk.seq_id, history[:base + j]))
             if j == num_drafts or chosen[-1] != drafts[j]:
                 break
         seq.last_sampled = chosen[-1]
@@ -239,6 +292,7 @@ class FakeWorker:
                  f"seq {seq_id}: position {position} written to block {block_id}, "
                  f"held by seqs {sorted(self.holders[block_id])}")
         self.cache[block_id][position % self.block_size] = token
+        self.written_by[block_id][position % self.block_size] = self._adapter(seq_id)
 
     def _read(self, seq_id: int, num_drafts: int = 0) -> list[int]:
         """The sequence's computed tokens through its table (zeros before the
@@ -253,6 +307,9 @@ class FakeWorker:
                      f"seq {seq_id}: position {position} read from a block it does not hold")
             slot = self.cache[table[position // self.block_size]][position % self.block_size]
             _require(slot is not None, f"seq {seq_id}: position {position} never written")
+            writer = self.written_by[table[position // self.block_size]][position % self.block_size]
+            _require(writer == self._adapter(seq_id), f"seq {seq_id}: position {position} read K/V "
+                     f"computed under adapter {writer or 'none'!r}, it runs with {self._adapter(seq_id) or 'none'!r}")
             history.append(slot)  # type: ignore[arg-type]
         return history
 
