@@ -24,11 +24,12 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from jitney.common.arg_types import int_in, non_negative_float, positive_float, positive_int
+from jitney.common.lora_adapter import AdapterError
 from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.engine import Engine
 from jitney.scheduler.api.servicer import GenerationServicer, ServingState, implementation, invariance_guaranteed
 from jitney.scheduler.api.validation import ModelLimits
-from jitney.scheduler.core.worker_link import WorkerLink, WorkerLostError
+from jitney.scheduler.core.worker_link import WorkerLink, WorkerLinkError, WorkerLostError
 
 log = logging.getLogger("jitney.scheduler")
 
@@ -70,7 +71,12 @@ class Lifecycle:
         engine.on_step = self.servicer.metrics.observe_step
         # The scheduler's max_model_len: the model's context, capped by the cache.
         limits = ModelLimits(vocab_size=ready.vocab_size, context_length=engine.config.max_model_len)
-        state = self.servicer.state = ServingState(engine, ready, limits, self.tokenizer)
+        state = ServingState(engine, ready, limits, self.tokenizer)
+        try:
+            self.servicer.lora.start(ready, engine, self.servicer.served_names(state))
+        except AdapterError as exc:     # a --lora-modules adapter this worker cannot serve
+            raise WorkerLinkError(str(exc)) from None
+        self.servicer.state = state
         self.servicer.refusing = None
         await self.set_health(SERVING)
         weights = f", {ready.quantization} weights" if ready.quantization not in ("", "none") else ""
@@ -132,6 +138,7 @@ class Lifecycle:
     async def _lose_worker(self, engine: Engine) -> None:
         reason = self.link.lost_reason or "the worker was lost"
         self.servicer.state = None
+        self.servicer.lora.stop()
         self.servicer.refusing = f"the worker was lost ({reason}); waiting for a new one"
         await self.set_health(NOT_SERVING)
         engine.close(f"the worker was lost before the request finished: {reason}")

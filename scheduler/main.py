@@ -42,6 +42,7 @@ from jitney.scheduler.security.tls import (SecurityError, ServerSecurity, add_se
 from jitney.scheduler.lifecycle import Lifecycle, add_production_arguments, production_fields
 from jitney.scheduler.core.trace import StepTracer
 from jitney.scheduler.core.worker_link import WorkerLink, WorkerLinkError
+from jitney.scheduler.api.lora_service import LoraService, read_lora_modules
 
 if TYPE_CHECKING:
     from jitney.scheduler.api.http.openai_responses.store import StoreConfig
@@ -92,6 +93,7 @@ class SchedulerProcessConfig:
     max_step_ms: float = 0.0             # a step with decodes: predicted model ms at most this; 0 = off
     fairness: FairnessMode = "off"       # off | tenant: share between tenants (core/fairness.py)
     tenant_weights: tuple[tuple[str, float], ...] = ()  # --tenant-weight NAME=W (with the key file's)
+    lora_modules: tuple[str, ...] = ()   # --lora-modules NAME=PATH: adapters served from the start
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SchedulerProcessConfig":
@@ -107,7 +109,8 @@ class SchedulerProcessConfig:
                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                    speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
                    max_step_ms=ns.max_step_ms,
-                   fairness=ns.fairness, tenant_weights=tuple(tenant_weight(w) for w in ns.tenant_weight or ()))
+                   fairness=ns.fairness, tenant_weights=tuple(tenant_weight(w) for w in ns.tenant_weight or ()),
+                   lora_modules=tuple(ns.lora_modules or ()))
 
     def weights(self, security: ServerSecurity) -> tuple[tuple[str, float], ...]:
         """Tenant weights of the key file and --tenant-weight. Raises ValueError."""
@@ -257,6 +260,12 @@ def add_model_setting_arguments(parser: argparse.ArgumentParser) -> None:
                              "takes the model's generation_config.json (temperature, top_p, top_k, min_p, "
                              "repetition_penalty, max_new_tokens as max_tokens) or a GGUF's general.sampling.* "
                              "metadata; none keeps the server's own; FOLDER reads FOLDER/generation_config.json")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) "
+                             "served under NAME, which the OpenAI `model` and gRPC lora_adapter select; "
+                             "checked at start against the worker's --max-loras/--max-lora-rank and "
+                             "modules (a bad one stops the start); more load at runtime "
+                             "(POST /v1/load_lora_adapter, LoadLoraAdapter)")
 
 
 def add_responses_store_arguments(parser: argparse.ArgumentParser) -> None:
@@ -324,6 +333,10 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
         security, warnings = cfg.load_security()
         weights = cfg.weights(security)
         settings = model_settings(cfg)
+        lora_modules = read_lora_modules(cfg.lora_modules)
+        for name, _, _ in lora_modules:
+            if name in settings.names:
+                raise ValueError(f"--lora-modules {name}: the name is the served model's (--served-model-name)")
     except (SecurityError, ModelNotFoundError, ValueError) as exc:    # ModelSettingsError is a ValueError
         print(f"jitney: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -334,7 +347,8 @@ async def serve(cfg: SchedulerProcessConfig, *, stop: asyncio.Event | None = Non
     servicer = GenerationServicer(api_keys=security.keys is not None,
                                   key_limits=KeyLimiter(security.max_requests_per_key),
                                   model_names=settings.names, sampling_defaults=settings.sampling_defaults,
-                                  tool_call_parser=cfg.tool_call_parser, reasoning=cfg.reasoning_parser)
+                                  tool_call_parser=cfg.tool_call_parser, reasoning=cfg.reasoning_parser,
+                                  lora=LoraService(lora_modules))
     if settings.sampling_defaults.values():
         print(f"jitney: {settings.sampling_defaults.describe()}", flush=True)
     health_servicer = health.aio.HealthServicer()
@@ -452,6 +466,7 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         max_model_len=max_model_len_for(ready.context_length, ready.num_blocks, ready.block_size,
                                         ready.sliding_window, budget),
         sliding_window=ready.sliding_window,
+        max_loras=ready.max_loras,
         policy=cfg.policy,
         enable_prefix_caching=cfg.prefix_cache,
         speculative=cfg.speculative,

@@ -60,6 +60,16 @@ class GenerationServiceStub:
                 request_serializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsRequest.SerializeToString,
                 response_deserializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/jitney.v1.GenerationService/LoadLoraAdapter',
+                request_serializer=jitney_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=jitney_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/jitney.v1.GenerationService/UnloadLoraAdapter',
+                request_serializer=jitney_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=jitney_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -102,6 +112,24 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Registers a LoRA adapter (a PEFT folder) under a name that
+        GenerationParams.lora_adapter (and the OpenAI `model`) then selects. A
+        bad adapter is INVALID_ARGUMENT naming the field and the problem, a
+        taken name ALREADY_EXISTS; the server is unchanged either way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unregisters an adapter (NOT_FOUND if unknown): new requests for it are
+        refused at once, running ones finish with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +157,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetServerStats,
                     request_deserializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsRequest.FromString,
                     response_serializer=jitney_dot_v1_dot_generation__pb2.GetServerStatsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=jitney_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=jitney_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=jitney_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=jitney_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +305,60 @@ class GenerationService:
             '/jitney.v1.GenerationService/GetServerStats',
             jitney_dot_v1_dot_generation__pb2.GetServerStatsRequest.SerializeToString,
             jitney_dot_v1_dot_generation__pb2.GetServerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jitney.v1.GenerationService/LoadLoraAdapter',
+            jitney_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            jitney_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jitney.v1.GenerationService/UnloadLoraAdapter',
+            jitney_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            jitney_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

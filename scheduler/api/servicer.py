@@ -24,6 +24,7 @@ from jitney.scheduler.api.sampling_defaults import SamplingDefaults
 from jitney.scheduler.core.detokenizer import TokenTexts
 from jitney.scheduler.core.grammar import engine_grammar
 from jitney.scheduler.core.engine import Engine, EngineUnavailableError, RequestHandle, StreamEvent
+from jitney.scheduler.api.lora_service import LoraCallError, LoraService
 from jitney.scheduler.api.metrics import Metrics, RequestRecord, key_field, request_log
 from jitney.scheduler.core.fairness import SHARED_TENANT, tenant_problem
 from jitney.scheduler.core.request import FinishReason
@@ -85,7 +86,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, metrics: Metrics | None = None, *, api_keys: bool = False,
                  key_limits: KeyLimiter | None = None, model_names: Sequence[str] = (),
                  sampling_defaults: SamplingDefaults | None = None, tool_call_parser: str = "auto",
-                 reasoning: str = "auto") -> None:
+                 reasoning: str = "auto", lora: LoraService | None = None) -> None:
         format_named(tool_call_parser, None)       # a bad name fails at start-up
         if reasoning not in ("auto", "on", "off"):
             raise ValueError(f"--reasoning-parser must be auto, on or off, got {reasoning!r}")
@@ -103,6 +104,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.metrics = metrics or Metrics(lambda: self.state.engine if self.state else None,
                                           key_label=api_keys)
         self.key_limits = key_limits or KeyLimiter()
+        self.lora = lora or LoraService()     # the served LoRA adapters (lora_service.py)
         # While None: new requests are taken. Else why they get UNAVAILABLE
         # (draining); with no state, the same or "not ready".
         self.refusing: str | None = None
@@ -222,6 +224,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         fmt = self.tool_format(state)
         validated = validate_generation(params, state.tokenizer, state.limits, new_seed=new_seed,
                                         tool_format=fmt)
+        if params.lora_adapter:
+            validated = replace(validated, lora=self.lora.resolve(params.lora_adapter))
         max_tokens = defaults.max_tokens_for(params.sampling, validated.sampling.max_tokens,
                                              validated.sampling.min_tokens)
         if max_tokens != validated.sampling.max_tokens:
@@ -360,7 +364,28 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             quantization=ready.quantization or "none",
             model_implementation=implementation(ready),
             batch_invariance_guaranteed=invariance_guaranteed(ready),
+            lora_adapters=[pb.LoraAdapterInfo(name=a.name, path=a.path, rank=a.spec.rank)
+                           for a in self.lora.registry.adapters()],
+            max_loras=ready.max_loras,
         )
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
+        await self._serving(context)
+        try:
+            adapter = self.lora.load(request.lora_name, request.lora_path)
+        except LoraCallError as exc:
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+            raise AssertionError("unreachable") from None
+        return pb.LoadLoraAdapterResponse(rank=adapter.spec.rank, target_modules=adapter.spec.targets)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> pb.UnloadLoraAdapterResponse:
+        try:
+            self.lora.unload(request.lora_name)
+        except LoraCallError as exc:
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+        return pb.UnloadLoraAdapterResponse()
 
     async def GetServerStats(self, request: pb.GetServerStatsRequest,
                              context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:

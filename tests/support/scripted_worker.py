@@ -76,7 +76,7 @@ class ScriptedWorker(FakeWorker):
         super().__init__(r.num_blocks, r.block_size, limits=PlanLimits(
             num_blocks=r.num_blocks, block_size=r.block_size, context_length=r.context_length,
             vocab_size=r.vocab_size, max_num_batched_tokens=r.max_num_batched_tokens,
-            max_num_seqs=r.max_num_seqs))
+            max_num_seqs=r.max_num_seqs), max_loras=r.max_loras)
         self.plain = tokenizer(PLAIN, add_special_tokens=False)["input_ids"] + [EOS]
         self.json = tokenizer(JSON_DOC, add_special_tokens=False)["input_ids"] + [EOS]
         self.sampled: dict[int, int] = {}      # seq_id -> tokens sampled so far

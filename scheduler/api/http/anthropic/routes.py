@@ -96,7 +96,7 @@ class AnthropicRoutes:
             parsed = parse_messages_request(await _body(request), count_only=True)
             state = serving_state(self.openai.servicer)
             names = self.openai.servicer.served_names(state)
-            if parsed.chat["model"] not in names:
+            if parsed.chat["model"] not in names and self.openai.servicer.lora.registry.get(parsed.chat["model"]) is None:
                 raise AnthropicError(404, f"model: {parsed.chat['model'][:128]} is not served here "
                                      f"(this server serves {', '.join(names)})")
             try:

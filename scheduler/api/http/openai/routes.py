@@ -29,6 +29,7 @@ from jitney.scheduler.api.http.encoding import dumps
 from jitney.scheduler.api.http.middleware import KEY_NAME
 from jitney.scheduler.api.http.openai.protocol import (HTTP_STATUS, APIError, ParsedRequest, _timeout,
                                                        openai_param, parse_request, serving_state)
+from jitney.scheduler.api.http.openai.lora_routes import LoraRoutes, select_model
 from jitney.scheduler.api.http.openai.responses import FINISH_REASONS, _Choice, _Formatter, usage_dict
 from jitney.scheduler.api.http.sse import event_stream, send_data, send_json
 from jitney.scheduler.api.metrics import RequestRecord
@@ -51,6 +52,7 @@ class OpenAIRoutes:
         router.add_get("/v1/models/{model:.+}", self.get_model)
         router.add_post("/v1/completions", self.completions)
         router.add_post("/v1/chat/completions", self.chat_completions)
+        LoraRoutes(self.servicer).add_to(router)
 
     # -- state ---------------------------------------------------------------
     def _serving(self) -> ServingState:
@@ -60,15 +62,25 @@ class OpenAIRoutes:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jitney"}
 
     # -- routes --------------------------------------------------------------
+    def _adapter_entries(self, state: ServingState) -> list[dict[str, Any]]:
+        """The LoRA adapters, as vLLM lists them (a ``parent``: the base's first name)."""
+        parent = self.servicer.served_names(state)[0]
+        return [dict(self._model_entry(a.name), parent=parent, root=a.path)
+                for a in self.servicer.lora.registry.adapters()]
+
     async def list_models(self, request: web.Request) -> web.Response:
         state = self._serving()
         return web.json_response({"object": "list",
-                                  "data": [self._model_entry(n) for n in self.servicer.served_names(state)]})
+                                  "data": [self._model_entry(n) for n in self.servicer.served_names(state)]
+                                  + self._adapter_entries(state)})
 
     async def get_model(self, request: web.Request) -> web.Response:
         state = self._serving()
         name = request.match_info["model"]
         names = self.servicer.served_names(state)
+        adapter = next((e for e in self._adapter_entries(state) if e["id"] == name), None)
+        if adapter is not None:
+            return web.json_response(adapter)
         if name not in names:
             raise _model_not_found(name, names)
         return web.json_response(self._model_entry(name))
@@ -92,13 +104,11 @@ class OpenAIRoutes:
         body = dict(body, stream=True, stream_options={"include_usage": True})
         parsed = parse_request(body, chat=True, defaults=self.servicer.sampling_defaults)
         names = self.servicer.served_names(state)
-        model = body.get("model")
-        if model is not None and model not in names:
-            raise _model_not_found(str(model), names)
+        select_model(self.servicer, state, body.get("model"), parsed.params)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
         handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME), door)
-        fmt = self._formatter(state, parsed, response_id, names[0], "", prompt_ids)
+        fmt = self._formatter(state, parsed, response_id, parsed.params.lora_adapter or names[0], "", prompt_ids)
         return ChatRun(state, handle, record, fmt, len(prompt_ids))
 
     # -- generation ----------------------------------------------------------
@@ -110,16 +120,14 @@ class OpenAIRoutes:
         timeout = _timeout(request)
         state = self._serving()
         parsed = parse_request(body, chat=chat, defaults=self.servicer.sampling_defaults)
-        model = body.get("model")
         names = self.servicer.served_names(state)
-        if model is not None and model not in names:
-            raise _model_not_found(str(model), names)
+        select_model(self.servicer, state, body.get("model"), parsed.params)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed.params.request_id = response_id
         handle, record, prompt_ids = await self._submit(state, parsed, timeout, request.get(KEY_NAME), "openai")
         try:
             echo = _echo_text(parsed, prompt_ids, state.tokenizer) if parsed.echo else ""
-            fmt = self._formatter(state, parsed, response_id, names[0], echo, prompt_ids)
+            fmt = self._formatter(state, parsed, response_id, parsed.params.lora_adapter or names[0], echo, prompt_ids)
             events = _events(handle, record)
             if parsed.stream:
                 return await _stream(request, events, fmt, parsed)
