@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jitney.client.channel import TlsFiles, open_channel
 from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.main import SchedulerProcessConfig, serve
 from jitney.v1 import generation_pb2_grpc as pb_grpc
 from tests.support.scripted_worker import ScriptedWorker, serve_worker
@@ -28,14 +29,16 @@ from tests.support.server_harness import free_port
 class InProcessScheduler:
     """``serve(cfg)`` in a background loop, the scripted worker on its sockets."""
 
-    def __init__(self, folder: Path, model: Path, client_tls: TlsFiles | None, **fields: Any) -> None:
+    def __init__(self, folder: Path, model: Path, client_tls: TlsFiles | None, *,
+                 ready: engine_pb2.Ready | None = None, **fields: Any) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.tls = client_tls
         self.cfg = SchedulerProcessConfig(str(model), "127.0.0.1", self.port, None, None, "continuous",
                                           f"ipc://{folder}/plan", f"ipc://{folder}/result",
                                           openai_port=self.http_port, drain_seconds=1.0, **fields)
-        self.worker = ScriptedWorker(load_tokenizer(resolve_model(model)))
+        tokenizer = load_tokenizer(resolve_model(model))
+        self.worker = ScriptedWorker(tokenizer) if ready is None else ScriptedWorker(tokenizer, ready)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
