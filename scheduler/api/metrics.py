@@ -143,6 +143,8 @@ class StateCollector(Collector):
         "jitney:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda e: e.scheduler.num_draft_tokens),
         "jitney:spec_decode_num_accepted_tokens": ("Draft tokens accepted.",
                                                    lambda e: e.scheduler.num_accepted_tokens),
+        "jitney:lora_loads": ("LoRA adapters loaded into a worker slot (a first use, or one evicted before).",
+                              lambda e: e.scheduler.lora.num_loads),
     }
 
     def __init__(self, engine: Callable[[], Any]) -> None:
@@ -170,6 +172,8 @@ class StateCollector(Collector):
             usage = bm.num_used_blocks / bm.num_blocks
         yield _gauge("jitney:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", usage)
         yield _gauge("jitney:worker_ready", "1 while a worker is serving.", int(engine is not None))
+        yield _gauge("jitney:lora_adapters_resident", "LoRA adapters in the worker's slots (--max-loras).",
+                     len(sched.lora.resident()) if sched else 0)
         for name, (doc, read) in self._COUNTERS.items():
             value = self._retired[name] + (read(engine) if engine is not None else 0)
             yield CounterMetricFamily(name, doc, value=value)

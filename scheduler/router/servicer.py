@@ -71,11 +71,11 @@ class RouterServicer(pb_grpc.GenerationServiceServicer):
             return None
         kind = params.WhichOneof("prompt")
         if kind == "token_ids":
-            return Prompt(list(params.token_ids.ids), params.cache_salt)
+            return Prompt(list(params.token_ids.ids), _cache_namespace(params))
         if kind is None or self.tokenizer is None:
             return None
         try:
-            return Prompt(render_prompt(params, self.tokenizer, _LENIENT, path="params"), params.cache_salt)
+            return Prompt(render_prompt(params, self.tokenizer, _LENIENT, path="params"), _cache_namespace(params))
         except InvalidRequestError:
             return None          # the replica says what is wrong
 
@@ -233,3 +233,9 @@ async def keep_health(replicas: ReplicaSet, health_servicer: health.aio.HealthSe
             await health_servicer.set(service_name, status)
             current = status
         await asyncio.sleep(interval)
+
+
+def _cache_namespace(params: pb.GenerationParams) -> str:
+    """The prefix tables' namespace: the salt, and the LoRA adapter (a replica's
+    cache never shares blocks across adapters, so neither may the routing)."""
+    return params.cache_salt + (f"\0lora:{params.lora_adapter}" if params.lora_adapter else "")

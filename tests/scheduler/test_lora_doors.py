@@ -191,6 +191,9 @@ def test_three_adapters_over_two_slots_while_requests_run(srv: Harness, folders:
     for model, outcome in outcomes:
         assert (isinstance(outcome, str) and outcome) or (model == "y" and outcome == 404), (model, outcome)
     assert {name for _, name in srv.worker.lora_loads} >= {"x", "z"}
+    registry = srv.servicer.metrics.registry
+    assert registry.get_sample_value("jitney:lora_loads_total") == len(srv.worker.lora_loads)
+    assert registry.get_sample_value("jitney:lora_adapters_resident") == len(srv.call(_resident(srv))) > 0
     resident = srv.call(_resident(srv))
     assert len(resident) <= 2 and all(holders == 0 for _, _, holders in resident)
 
