@@ -101,6 +101,10 @@ CALLS = {
     "Tokenize": lambda s: s.Tokenize(pb.TokenizeRequest(text="hello"), timeout=TIMEOUT),
     "GetModelInfo": lambda s: s.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT),
     "GetServerStats": lambda s: s.GetServerStats(pb.GetServerStatsRequest(), timeout=TIMEOUT),
+    "LoadLoraAdapter": lambda s: s.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="a", lora_path="/x"),
+                                                   timeout=TIMEOUT),
+    "UnloadLoraAdapter": lambda s: s.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="a"),
+                                                       timeout=TIMEOUT),
 }
 
 
