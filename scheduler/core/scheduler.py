@@ -105,6 +105,8 @@ class Scheduler(DraftingSteps):
             raise ValueError(
                 f"seq {request.seq_id}: prompt of {request.num_tokens} tokens, "
                 f"must be 1..{self.config.max_model_len}")
+        if request.lora_id and not self.config.max_loras:
+            raise ValueError(f"seq {request.seq_id} asks for a LoRA adapter, the worker has no slots")
         self._requests[request.seq_id] = request
         if self.fairness is not None:
             self.fairness.arrive(request)

@@ -183,3 +183,9 @@ def test_slots_unit_rules() -> None:
     assert slots.can_board(7, loads) and slots.board(7, "z", "/z", loads) == 1
     with pytest.raises(AssertionError):
         slots.forget_loaded()
+
+
+def test_an_adapter_request_without_slots_is_refused() -> None:
+    s, _ = make(max_loras=0)
+    with pytest.raises(ValueError, match="no slots"):
+        s.add_request(lora_request(1, 1))

@@ -115,3 +115,16 @@ def test_lora_modules_are_checked_against_the_worker(adapters: Path) -> None:
     assert service.registry.names() == ["a", "b"]
     service.start(small, engine, ("base",))           # a restarted worker with a smaller bound: a is dropped
     assert service.registry.names() == ["b"]
+
+
+def test_jitney_serve_passes_lora_modules_to_the_scheduler() -> None:
+    import argparse
+
+    from jitney.scheduler.launch.supervisor import child_argv
+    from jitney.scheduler.main import add_scheduler_arguments
+
+    parser = argparse.ArgumentParser()
+    add_scheduler_arguments(parser, with_shared=False)
+    ns = parser.parse_args(["--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z"])
+    again = parser.parse_args(child_argv(parser, ns))
+    assert again.lora_modules == ns.lora_modules == ["a=/x", "b=/y", "c=/z"]
