@@ -106,9 +106,11 @@ class LoraSlots:
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                slots: torch.Tensor) -> torch.Tensor:
-    """The torch reference: ``scale[s] * B[s] @ (A[s] @ x[t])`` (T, out) in float32, each token
-    its own batch entry of two ``bmm`` (one row each: no reduction spans tokens)."""
+    """The torch path: ``scale[s] * B[s] @ (A[s] @ x[t])`` (T, out) in float32, each token's
+    products summed over the last dimension on their own (a ``bmm``'s kernel choice, and so
+    its summation order, changes with the batch; a last-dimension ``sum`` reduces each row
+    alone), so a row's delta does not depend on the rows beside it."""
     index = slots.long()
-    shrunk = torch.bmm(a.index_select(0, index).float(), x.float().unsqueeze(2))   # (T, R, 1)
-    shrunk = shrunk * scale.index_select(0, index).view(-1, 1, 1)
-    return torch.bmm(b.index_select(0, index).float(), shrunk).squeeze(2)          # (T, out)
+    shrunk = (a.index_select(0, index).float() * x.float().unsqueeze(1)).sum(-1)          # (T, R)
+    shrunk = shrunk * scale.index_select(0, index).unsqueeze(1)
+    return (b.index_select(0, index).float() * shrunk.unsqueeze(1)).sum(-1)              # (T, out)
