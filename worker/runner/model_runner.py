@@ -307,10 +307,9 @@ class ModelRunner:
         """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
         for sid in self.sequences:
             self.batch.remove(sid)
-        self.sequences.clear(), self._lora_slot.clear()
+        for known in (self.sequences, self._lora_slot, self._prompt_carry, self._unverified):
+            known.clear()
         self._scoring.clear()
-        self._prompt_carry.clear()
-        self._unverified.clear()
         if self.draft is not None:
             self.draft.forget_all()
 
