@@ -114,6 +114,9 @@ class WorkerConfig:
         pool, never the scheduler's); ``None``: as many as the target's
         cache has, so every sequence the target holds fits (on CUDA, a
         cache sized from the free memory is then shared so both fit).
+      max_loras: LoRA adapter slots resident at once (0: LoRA off); refused with
+        tensor parallelism and with the transformers fallback.
+      max_lora_rank: the rank every slot is padded to (1..256).
     """
 
     model: str | None = None
@@ -143,6 +146,8 @@ class WorkerConfig:
     dist_timeout: float = 300.0
     draft_model: str | None = None
     draft_num_blocks: int | None = None
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         # Guards programmatic construction; the CLI reports the same errors
@@ -178,6 +183,12 @@ class WorkerConfig:
                              f"got {self.hang_timeout}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size = {self.tp_size}), got {self.tp_rank}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError(f"max_lora_rank must be in 1..256, got {self.max_lora_rank}")
+        if self.max_loras and self.tp_size > 1:
+            raise ValueError("max_loras > 0 (LoRA adapters) is not supported with tensor parallelism (tp_size > 1)")
         if self.tp_size > 1 and not self.dist_init:
             raise ValueError("a tensor-parallel group (tp_size > 1) needs dist_init (tcp://HOST:PORT)")
         if not self.dist_timeout > 0:
@@ -285,6 +296,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", dest="draft_model", type=_model_path, default=None, metavar="PATH",
                        help="speculative decoding's draft model (needs --speculative draft): a small HF folder or "
                             ".gguf file sharing the model's tokenizer, run by the worker with its own KV cache")
+    group.add_argument("--max-loras", dest="max_loras", type=non_negative_int, default=0, metavar="N",
+                       help="LoRA adapter slots resident at once (default 0: LoRA off)")
+    group.add_argument("--max-lora-rank", dest="max_lora_rank", type=positive_int, default=16, metavar="R",
+                       help="the largest LoRA rank a slot holds, 1..256 (default 16)")
     group.add_argument("--draft-num-blocks", dest="draft_num_blocks", type=positive_int, default=None, metavar="N",
                        help="KV-cache blocks of the draft model (default: as many as the model's cache)")
     group.add_argument("--no-weights-cache", dest="use_weights_cache", action="store_false",

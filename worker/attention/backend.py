@@ -73,6 +73,8 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...] = ()
     prepared: bool = False  # the backend's ``prepare`` ran (it runs once per step)
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # a tile map (graph-captured mixed steps)
+    # (T,) int32, each token's LoRA slot (layers/lora.py); None when no token of the step has one
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata
+from jitney.worker.layers.lora import LoraSlots
 from jitney.worker.layers.norm import RMSNorm
 from jitney.worker.layers.ops import TorchLayerOps
 from jitney.worker.layers.reduce import Reduce
@@ -81,14 +82,20 @@ def check_program(program: Program, num_norms: int, num_linears: int) -> None:
 def run(program: Program, norms: Sequence[RMSNorm], linears: Sequence[nn.Module], x: torch.Tensor,
         residual: torch.Tensor | None, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata, backend: AttentionBackend, ops: TorchLayerOps, heads: tuple[int, int, int],
-        scale: float, reduce: Reduce, attend: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scale: float, reduce: Reduce, attend: dict[str, Any] | None = None,
+        lora: tuple[LoraSlots, int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer, op by op: ``(h, residual)`` out of ``(x, residual)`` in (``residual``
     None at the first layer). Linears are called by ``.forward``, not ``__call__``,
-    whose hook checks cost ~4 us a call (nothing in Jitney registers hooks on them)."""
+    whose hook checks cost ~4 us a call (nothing in Jitney registers hooks on them).
+    ``lora``: (the model's adapter slots, this layer's index, each token's slot), when a
+    token of the step has an adapter: each targeted linear's output gains it."""
     h = x
     for op, index in program:
         if op is Op.LINEAR:
-            h = linears[index].forward(h)
+            if lora is None:
+                h = linears[index].forward(h)
+            else:
+                h = lora[0].apply(lora[1], index, h, linears[index].forward(h), lora[2])
         elif op is Op.INPUT_NORM or op is Op.ADD_NORM:
             norm = norms[index]
             if residual is None:

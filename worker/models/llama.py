@@ -38,6 +38,7 @@ from jitney.worker.kernels.cpu.ops import RoutedExperts, StackLayer
 from jitney.worker.layers.attention import Attention
 from jitney.worker.layers.linear import NO_SHARD, Loaded, Shard
 from jitney.worker.layers.linear_kernel import LinearKernel
+from jitney.worker.layers.lora import LoraSlots, LoraTarget
 from jitney.worker.layers.mlp import MLP
 from jitney.worker.layers.moe import FusedExperts, SparseMoe
 from jitney.worker.layers.norm import RMSNorm
@@ -165,10 +166,29 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: TorchLayerOps,
+        lora: LoraSlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
+        adapters = (lora, self.index, meta.lora_slots) if lora is not None and meta.lora_slots is not None else None
         return program.run(self.PROGRAM, self.norms(), self.linears(), x, residual, rope, kv, meta, backend, ops,
-                           attn.heads, attn.scale, self.reduce, self.attend)
+                           attn.heads, attn.scale, self.reduce, self.attend, adapters)
+
+    def lora_targets(self, cfg: ModelConfig) -> list[LoraTarget]:
+        """The linears an adapter may target, by PEFT name (``layers/lora.py``): q/k/v as
+        slices of ``qkv_proj`` (Phi-3's checkpoints name the fused ``qkv_proj`` and
+        ``gate_up_proj`` themselves), o_proj, and the MLP's unless it is an experts block."""
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        fused = cfg.family == "phi3"
+        targets = ([LoraTarget("qkv_proj", 0, 0, h, q + 2 * kv)] if fused else
+                   [LoraTarget("q_proj", 0, 0, h, q), LoraTarget("k_proj", 0, q, h, kv),
+                    LoraTarget("v_proj", 0, q + kv, h, kv)])
+        targets.append(LoraTarget("o_proj", 1, 0, q, h))
+        if isinstance(self.mlp, MLP) and len(self.linears()) == 4:
+            targets += ([LoraTarget("gate_up_proj", 2, 0, h, 2 * inter)] if fused else
+                        [LoraTarget("gate_proj", 2, 0, h, inter), LoraTarget("up_proj", 2, inter, h, inter)])
+            targets.append(LoraTarget("down_proj", 3, 0, inter, h))
+        return targets
 
     def stack_layer(self, kv: tuple[torch.Tensor, torch.Tensor]) -> StackLayer | None:
         """This layer over its cache ``kv`` for the C++ stack (``cpu_kernels.layer_stack``);
@@ -231,6 +251,7 @@ class CausalLM(nn.Module):
         self.use_layer_stack = True
         # (the cache it was made over, weakly: a model does not keep a cache alive; the stack)
         self._stack: tuple[weakref.ref[PagedKVCache], torch.ScriptObject | None] | None = None
+        self.lora: LoraSlots | None = None   # adapter slots (``use_lora``); None: LoRA off
 
     def forward(
         self,
@@ -247,7 +268,10 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)  # (T, hidden)
         layer_ops = self.layer_ops()
         ropes = [ops.rope_inputs(positions, x.dtype) for ops in layer_ops]   # once per step, per table
-        stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack else None
+        # A step with adapter rows runs op by op (the C++ stack has no LoRA op): the same
+        # kernels in the same order, so its base rows get the stack's bits.
+        adapters = self.lora if meta.lora_slots is not None else None
+        stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack and adapters is None else None
         if stack is not None:
             out, stream = stack.forward(x, [rope[0] for rope in ropes], [rope[1] for rope in ropes],
                                         meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
@@ -263,12 +287,22 @@ class CausalLM(nn.Module):
             # the first layer of each rotary table checks its arguments: later ones have the same shapes
             ops.checking = self.backend.checking = layer.rope not in checked
             checked.add(layer.rope)
-            x, residual = layer.forward(x, residual, ropes[layer.rope], kv_cache.layer(i), meta, self.backend, ops)
+            x, residual = layer.forward(x, residual, ropes[layer.rope], kv_cache.layer(i), meta, self.backend, ops,
+                                        adapters)
         for ops in layer_ops:
             ops.checking = True
         self.backend.checking = True
         assert residual is not None
         return x + residual
+
+    def use_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> LoraSlots:
+        """Give the model ``max_loras`` adapter slots of rank ``max_rank`` (``layers/lora.py``)
+        over the linears every layer offers."""
+        layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
+        offered = [{t.name: t for t in layer.lora_targets(self.config)} for layer in layers]
+        common = [t for name, t in offered[0].items() if all(o.get(name) == t for o in offered)]
+        self.lora = LoraSlots(common, len(layers), max_loras, max_rank, dtype, device)
+        return self.lora
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings (T, hidden) of ``input_ids (T,)``, as the first layer takes them."""

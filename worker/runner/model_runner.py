@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -37,7 +37,7 @@ import torch
 
 from jitney.common.model_files import cache_root
 from jitney.engine.v1 import engine_pb2
-from jitney.worker.runner import speculative, tuned_configs
+from jitney.worker.runner import lora_plan, speculative, tuned_configs
 from jitney.worker.attention.backend import AttentionMetadata
 from jitney.worker.attention.backends import make_attention_backend, prefill_block_q
 from jitney.worker.config import WorkerConfig
@@ -138,6 +138,8 @@ class ModelRunner:
         tuned_rows = tuned_configs.apply(self.device, (cfg.num_heads, cfg.num_kv_heads))
         backend = make_attention_backend(config.attention_backend, self.device, batch_invariant=self.batch_invariant)
         self.model.use_backend(backend, self.facts.context_length)
+        self.lora = lora_plan.use_lora(self.model, config, self.implementation, self.dtype, self.device)
+        self._lora_slot: dict[int, int] = {}   # seq id -> its adapter slot (absent: the base model)
         self.skinny_rows = skinny_rows(config, self.device, backend.graph_safe, self.batch_invariant, tuned_rows)
         if self.skinny_rows:
             from jitney.worker.kernels.triton.skinny import use_skinny_linears
@@ -230,6 +232,7 @@ class ModelRunner:
             sliding_window=self.sliding_window,
             draft_model=self.draft.facts.name if self.draft is not None else "",
             draft_num_blocks=self.draft.num_blocks if self.draft is not None else 0,
+            **lora_plan.ready_fields(self.lora),
         )
 
     @property
@@ -266,8 +269,10 @@ class ModelRunner:
             self.draft.check_plan(plan)
         elif any(c.num_proposals for c in plan.chunks) or any(n.draft_context_token_ids for n in plan.new_sequences):
             raise PlanError(f"step {plan.step_id}: draft model fields, but this worker runs no draft model")
+        lora_plan.check_plan(plan, self.lora)
         if plan.reset:
             self._forget_all()
+        lora_plan.apply_loads(plan, self.lora)   # (before the diffs: a failed load changes no sequence)
         self._apply(plan, new_states, rows)
         result = engine_pb2.StepResult(step_id=plan.step_id)
         if rows:
@@ -302,10 +307,9 @@ class ModelRunner:
         """Drop every sequence, as if all were freed (the KV cache is left as it is)."""
         for sid in self.sequences:
             self.batch.remove(sid)
-        self.sequences.clear()
+        for known in (self.sequences, self._lora_slot, self._prompt_carry, self._unverified):
+            known.clear()
         self._scoring.clear()
-        self._prompt_carry.clear()
-        self._unverified.clear()
         if self.draft is not None:
             self.draft.forget_all()
 
@@ -327,8 +331,10 @@ class ModelRunner:
             self._scoring.discard(sid)
             self._prompt_carry.pop(sid, None)
             self._unverified.pop(sid, None)
+            self._lora_slot.pop(sid, None)
         for new in plan.new_sequences:
             s = self.sequences[new.seq_id]
+            self._lora_slot.update({new.seq_id: new.lora_slot} if new.lora_slot else {})
             self.batch.add(new.seq_id, s.temperature, s.top_p, s.top_k, s.seed, s.params)
             if new.context_token_ids:   # a cached or shared prefix: its tokens still count
                 self.batch.count_context(new.seq_id, np.array(new.context_token_ids, dtype=np.int64))
@@ -364,7 +370,8 @@ class ModelRunner:
         if not self.samples:
             self._forward_only(chunks)
             return
-        graphs = self.graphs
+        lora_slots = lora_plan.token_slots(chunks, self._lora_slot, self.device)
+        graphs = self.graphs if lora_slots is None else None   # (graphs are captured without adapters)
         prompt = self._prompt_chunks(chunks)
         # Prompt logprobs need the hidden states, which a decode graph does not return.
         size = graphs.size_for(chunks) if graphs is not None and not prompt else None
@@ -375,6 +382,7 @@ class ModelRunner:
             step = self.batch.stage(chunks, pad_seqs_to=size or 0)
         # Attention metadata (and the CPU backend's plan) before the model's clock starts.
         meta = self.model.backend.prepare(self.batch.step_metadata(step)) if size is None and bucket is None else None
+        meta = replace(meta, lora_slots=lora_slots) if meta is not None and lora_slots is not None else meta
         timer = self._timer
         timer.start()
         plain_greedy = (step.num_plain == step.num_filtered == 0 and not step.processed
