@@ -33,6 +33,7 @@ class WorkItem:
     arrival_s: float
     prompt_token_ids: list[int]
     max_tokens: int
+    lora_adapter: str = ""   # a LoRA adapter's served name (GenerationParams.lora_adapter); "": the base model
 
 
 @dataclass
@@ -54,8 +55,11 @@ def load_workload(path: Path) -> list[WorkItem]:
             continue
         row = json.loads(line)
         try:
+            adapter = row.get("lora_adapter", "")
+            if not isinstance(adapter, str):
+                raise TypeError(f"lora_adapter must be a string, got {adapter!r}")
             items.append(WorkItem(str(row["id"]), float(row["arrival_s"]),
-                                  [int(t) for t in row["prompt_token_ids"]], int(row["max_tokens"])))
+                                  [int(t) for t in row["prompt_token_ids"]], int(row["max_tokens"]), adapter))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{n}: not a workload line: {exc}") from None
     return sorted(items, key=lambda i: i.arrival_s)
@@ -68,7 +72,8 @@ async def _run_one(stub: pb_grpc.GenerationServiceStub, item: WorkItem, t0: floa
     async with limit:
         params = pb.GenerationParams(token_ids=pb.TokenIds(ids=item.prompt_token_ids),
                                      sampling=pb.SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
-                                                                ignore_eos=True))
+                                                                ignore_eos=True),
+                                     lora_adapter=item.lora_adapter)
         try:
             async for msg in stub.GenerateStream(pb.GenerateStreamRequest(params=params)):
                 now = time.perf_counter() - t0

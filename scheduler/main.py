@@ -91,6 +91,7 @@ class SchedulerProcessConfig:
     speculative: SpeculativeMethod = "off"   # speculative decoding: off | ngram | suffix | draft (core/speculative.py)
     num_speculative_tokens: int = 4      # the most drafts a sequence verifies in one step
     max_step_ms: float = 0.0             # a step with decodes: predicted model ms at most this; 0 = off
+    jump_forward: bool = True            # off: --no-jump-forward (grammar-forced tokens sampled one a step)
     fairness: FairnessMode = "off"       # off | tenant: share between tenants (core/fairness.py)
     tenant_weights: tuple[tuple[str, float], ...] = ()  # --tenant-weight NAME=W (with the key file's)
     lora_modules: tuple[str, ...] = ()   # --lora-modules NAME=PATH: adapters served from the start
@@ -108,7 +109,7 @@ class SchedulerProcessConfig:
                    responses_store_max_age=ns.responses_store_max_age,
                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                    speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
-                   max_step_ms=ns.max_step_ms,
+                   max_step_ms=ns.max_step_ms, jump_forward=not ns.no_jump_forward,
                    fairness=ns.fairness, tenant_weights=tuple(tenant_weight(w) for w in ns.tenant_weight or ()),
                    lora_modules=tuple(ns.lora_modules or ()))
 
@@ -168,6 +169,11 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser, *, with_shared: boo
                              "milliseconds: shorter token stalls for streaming users while long prompts "
                              "prefill; the first prefill chunk of a step still gets one KV block. "
                              "0 = off (default): chunks fill the token budget")
+    parser.add_argument("--no-jump-forward", action="store_true",
+                        help="sample every token of structured output and tool calls, one a step, also "
+                             "where the grammar allows only one (by default such forced runs ride the "
+                             "next step as known tokens: the same output in fewer steps; requests that "
+                             "read logprobs, use penalties or min_tokens, and gRPC's, always sample)")
     parser.add_argument("--fairness", choices=FAIRNESS_MODES, default="off",
                         help="off (default): waiting requests board by priority, then arrival; tenant: "
                              "the least-served tenant's request boards first and the most-served tenant's "
@@ -472,6 +478,7 @@ def _make_engine(cfg: SchedulerProcessConfig, link: WorkerLink, tokenizer: objec
         speculative=cfg.speculative,
         num_speculative_tokens=cfg.num_speculative_tokens,
         max_step_ms=cfg.max_step_ms,
+        jump_forward=cfg.jump_forward,
         fairness=cfg.fairness,
         tenant_weights=tenant_weights,
     )

@@ -406,7 +406,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "grammar_masked_steps", "grammar_mask_seconds", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "replicas", "router_retried_requests")
+    __slots__ = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps", "preemptions", "worker_pid", "worker_restarts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "grammar_masked_steps", "grammar_mask_seconds", "grammar_forced_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "replicas", "router_retried_requests")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,7 @@ class GetServerStatsResponse(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASKED_STEPS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -436,12 +437,13 @@ class GetServerStatsResponse(_message.Message):
     prefix_cache_hit_tokens: int
     grammar_masked_steps: int
     grammar_mask_seconds: float
+    grammar_forced_tokens: int
     spec_decode_num_drafts: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     router_retried_requests: int
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., grammar_masked_steps: _Optional[int] = ..., grammar_mask_seconds: _Optional[float] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., router_retried_requests: _Optional[int] = ...) -> None: ...
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., grammar_masked_steps: _Optional[int] = ..., grammar_mask_seconds: _Optional[float] = ..., grammar_forced_tokens: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., router_retried_requests: _Optional[int] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
     __slots__ = ("target", "serving", "stats", "error", "routed_requests", "prefix_routed_requests", "in_flight")

@@ -173,21 +173,23 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return [OutputParser(fmt, reasoning) for _ in range(n)]
 
     async def admit(self, state: ServingState, params: pb.GenerationParams, time_remaining: float | None,
-                    key: str | None = None, door: str = "grpc"
+                    key: str | None = None, door: str = "grpc", *, token_logprobs: bool = True
                     ) -> tuple[RequestHandle, RequestRecord, ValidatedRequest]:
         """Validate, submit and track one request: the one path of every door
         (gRPC, the OpenAI door). A refusal is counted and logged, then raised
         as ``RequestRefused``; ``time_remaining`` is the caller's deadline,
         ``key`` the name of its API key, ``door`` the API it came through (the
         metrics' ``door`` label). The request holds one of the key's
-        slots (``--max-requests-per-key``) until its record ends."""
+        slots (``--max-requests-per-key``) until its record ends. ``token_logprobs``:
+        the caller reads each sampled token's logprob (gRPC's answers always carry them)."""
         code, message, invalid = "UNAVAILABLE", self.refusing, None
         release = None
         try:
             if message is None:
                 release = self.key_limits.acquire(key)
                 tenant = request_tenant(params, key)
-                validated = replace(await self.validate(state, params), tenant=tenant)
+                validated = replace(await self.validate(state, params), tenant=tenant,
+                                    token_logprobs=token_logprobs)
                 handle = state.engine.submit(validated, time_remaining)
                 record = self.metrics.track(handle.request_id, len(validated.prompt_token_ids),
                                             _prompt_for_log(params) if self.metrics.log_prompts else None,
@@ -404,6 +406,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             worker_restarts=self.metrics.state.worker_restarts,
             grammar_masked_steps=engine.num_masked_steps,
             grammar_mask_seconds=engine.mask_seconds,
+            grammar_forced_tokens=engine.num_forced_tokens,
             spec_decode_num_drafts=sched.num_drafts,
             spec_decode_num_draft_tokens=sched.num_draft_tokens,
             spec_decode_num_accepted_tokens=sched.num_accepted_tokens,

@@ -89,6 +89,15 @@ class SchedulerConfig:
     shares the server between tenants by their weighted service (the
     Virtual Token Counter, ``fairness.py``), priority ordering within one."""
 
+    jump_forward: bool = True
+    """Grammar jump-forward (``--no-jump-forward`` turns it off): where a
+    constrained sequence's grammar allows exactly one token at each of its
+    next positions, those tokens ride its next chunk as known input instead of
+    being sampled one step each (``engine.py``). The same tokens as without it
+    (each was the only one its mask allowed); only for requests that do not
+    read per-token logprobs and use no sampling state that counts tokens
+    (penalties, min_tokens)."""
+
     tenant_weights: tuple[tuple[str, float], ...] = ()
     """(tenant, weight) of ``--fairness tenant``: a tenant's service counts
     divided by its weight (default 1), so weight 2 gets twice the share.

@@ -23,7 +23,7 @@ from jitney.engine.v1 import engine_pb2
 from jitney.scheduler.core.admission import AdmissionLimits
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.detokenizer import IncrementalDetokenizer
-from jitney.scheduler.core.grammar import GrammarMatcher, fill_batch
+from jitney.scheduler.core.grammar import GrammarMatcher, fill_batch, forced_run, only_token
 from jitney.scheduler.core.plan import sample_seed, to_step_plan
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
@@ -32,6 +32,9 @@ from jitney.scheduler.core.request import ValidatedRequest
 from jitney.scheduler.core.worker_link import StepDiscardedError, WorkerLink, WorkerLinkError
 
 log = logging.getLogger("jitney.scheduler")
+# Grammar jump-forward: the longest forced run one chunk carries (each token of a
+# run costs the scheduler one mask computation, ~50 us here).
+MAX_FORCED_RUN = 32
 
 
 class EngineUnavailableError(RuntimeError):
@@ -137,7 +140,8 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_masked_steps = 0      # steps that sampled under grammar masks
-        self.mask_seconds = 0.0        # time filling those masks
+        self.mask_seconds = 0.0        # time filling those masks (and finding forced runs)
+        self.num_forced_tokens = 0     # tokens jump-forward planned without sampling them
         self._result_at: float | None = None   # when the latest result came in (speculation's overhead)
         # Called after each step with (worker seconds, sequences scheduled): metrics.
         self.on_step: Callable[[float, int], None] | None = None
@@ -176,6 +180,9 @@ class Engine:
             matcher = validated.grammar.new_matcher() if validated.grammar is not None else None
             # Drafts are not verified under a grammar: its masks would have to follow each draft.
             req.may_draft = matcher is None
+            s = req.sampling
+            req.may_jump = (matcher is not None and self.config.jump_forward and not validated.token_logprobs
+                            and not req.penalised and not s.min_tokens and not s.top_logprobs)
             samples.append(Sample(index, req, detok, matcher))
         handle = RequestHandle(validated.request_id, samples)
         for sample in samples:
@@ -368,7 +375,7 @@ class Engine:
             return
         words = -(-self._vocab_size // 32)
         bitmask = np.full((len(seq_ids), words), -1, dtype=np.int32)
-        rows, matchers = [], []
+        rows, matchers, requests = [], [], []
         for row, seq_id in enumerate(seq_ids):
             handle = self._handles.get(seq_id)
             if handle is None:
@@ -377,16 +384,44 @@ class Engine:
             if sample.matcher is not None and not sample.request.is_finished:
                 rows.append(row)
                 matchers.append(sample.matcher)
+                requests.append(sample.request)
         if matchers:
             # In parallel on the grammar engine's threads, off the event loop.
             started = time.perf_counter()
             filled = np.empty((len(matchers), words), dtype=np.int32)
-            await asyncio.to_thread(fill_batch, matchers, filled)
+            runs = await asyncio.to_thread(self._fill_masks, matchers, requests, filled)
             bitmask[rows] = filled
+            for request, run in zip(requests, runs):
+                if len(run) > 1 and not request.is_finished:
+                    request.forced_token_ids, request.forced_step = run, step_id
+                    self.num_forced_tokens += len(run) - 1
             self.mask_seconds += time.perf_counter() - started
         self.num_masked_steps += 1
         await self._link.send_masks(engine_pb2.StepMasks(
             step_id=step_id, seq_ids=seq_ids, bitmask=bitmask.astype("<i4", copy=False).tobytes()))
+
+    def _fill_masks(self, matchers: list[GrammarMatcher], requests: list[Request],
+                    out: np.ndarray) -> list[list[int]]:
+        """``fill_batch``, then each jump-forward request's forced run (``grammar.forced_run``)
+        where its mask allows one token: the run its next chunk may carry. Runs in a thread."""
+        fill_batch(matchers, out)
+        runs: list[list[int]] = []
+        scratch = np.empty(out.shape[1], dtype=np.int32)
+        for i, (matcher, request) in enumerate(zip(matchers, requests)):
+            runs.append([])
+            # One sample in flight (this step's): the run starts at its position.
+            if not request.may_jump or request.num_pending_samples != 1 or request.forced_token_ids:
+                continue
+            first = only_token(out[i])
+            if first is None:
+                continue
+            s = request.sampling
+            # Room for the run and the sample after it, within max_tokens and the context.
+            limit = min(MAX_FORCED_RUN, s.max_tokens - request.num_output_tokens - 1,
+                        self.config.max_model_len - request.num_tokens - 1)
+            stops = s.stop_token_ids | self._eos_token_ids    # (with ignore_eos too: EOS ends the grammar)
+            runs[i] = forced_run(matcher, first, limit, stops, scratch)
+        return runs
 
     def _emit_guarded(self, req: Request, top: list[list[tuple[int, float]]]) -> None:
         """``_emit``, but a failure ends that one request (INTERNAL), not the loop."""

@@ -322,6 +322,45 @@ def _default_executor() -> llguidance.LLExecutor:
     return _executor
 
 
+def only_token(row: np.ndarray) -> int | None:
+    """The one token a mask row (int32 words) allows, or None where it allows none or several."""
+    words = np.flatnonzero(row)
+    if len(words) != 1:
+        return None
+    word = int(row[words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(words[0]) * 32 + word.bit_length() - 1
+
+
+def forced_run(matcher: GrammarMatcher, first: int, limit: int, stops: frozenset[int],
+               scratch: np.ndarray) -> list[int]:
+    """Grammar jump-forward: ``first`` (the one token the matcher's mask allows now)
+    and the tokens after it that are, each in turn, the only one the mask allows,
+    ``limit`` at most, stopping before any of ``stops`` (EOS, stop ids: they end a
+    sequence, which a sample decides). The matcher is left as it was. ``scratch``:
+    one mask row. Each token costs one mask computation; a run is exact because a
+    sampler given a one-token mask can only pick that token."""
+    if first in stops or limit <= 0:
+        return []
+    run, accepted = [first], 0
+    try:
+        while len(run) < limit:
+            if not matcher.accept_token(run[-1]):
+                return []    # a token its own mask allowed: llguidance would be at fault
+            accepted += 1
+            if matcher.is_stopped():
+                break
+            matcher.fill_bitmask(scratch)
+            token = only_token(scratch)
+            if token is None or token in stops:
+                break
+            run.append(token)
+    finally:
+        matcher.rollback(accepted)
+    return run
+
+
 def fill_batch(matchers: Sequence[GrammarMatcher], out: np.ndarray,
                executor: llguidance.LLExecutor | None = None) -> None:
     """Row i of ``out`` (shape (>= len(matchers), words), int32) gets ``matchers[i]``'s

@@ -98,6 +98,14 @@ class Request:
     lora_name: str = ""
     lora_path: str = ""
     lora_slot: int = 0
+    # Grammar jump-forward (config.jump_forward): whether it may skip sampling
+    # forced tokens, and the forced run found when step ``forced_step``'s mask
+    # was sent: forced_token_ids[0] is the token that step samples (at position
+    # num_tokens, the only one its mask allows), the rest follow it. They are
+    # planned as known tokens and join the output with that step's result.
+    may_jump: bool = False
+    forced_token_ids: list[int] = field(default_factory=list)
+    forced_step: int = 0
 
     @property
     def penalised(self) -> bool:
@@ -153,3 +161,6 @@ class ValidatedRequest:
     # special token ids the output text keeps (a tool format's markers, which the parser reads)
     keep_special: frozenset[int] = frozenset()
     lora: Any = None                  # a lora.Adapter: the request runs with it; None: the base model
+    # The client reads each sampled token's logprob (gRPC always returns them; the
+    # OpenAI doors only with logprobs=true): grammar jump-forward skips such requests.
+    token_logprobs: bool = True

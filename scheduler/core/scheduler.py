@@ -31,6 +31,7 @@ holds also if step N+1 is planned while step N runs).
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -213,9 +214,9 @@ class Scheduler(DraftingSteps):
         """Tokens ``request`` can compute now; none once its pending samples end it."""
         if request.num_draft_tokens:
             return 0    # how far it got is known only from that chunk's result
-        pending = request.num_pending_samples
-        if pending and (request.num_output_tokens + pending >= request.sampling.max_tokens
-                        or request.num_tokens + pending >= self.config.max_model_len):
+        ahead = request.num_pending_samples + _num_forced_extra(request)
+        if request.num_pending_samples and (request.num_output_tokens + ahead >= request.sampling.max_tokens
+                                            or request.num_tokens + ahead >= self.config.max_model_len):
             return 0
         return _num_remaining(request)
 
@@ -312,9 +313,11 @@ class Scheduler(DraftingSteps):
         request.num_computed_tokens += num_new
         if self.fairness is not None:
             self.fairness.charge(request, start, num_new)
-        # [start, num_tokens) known ids; [num_tokens, +pending) still sampling
-        placeholder = start + num_new > request.num_tokens
-        sample = request.num_computed_tokens == request.num_tokens + request.num_pending_samples
+        # [start, num_tokens) known ids; [num_tokens, +pending) still sampling,
+        # unless a grammar's forced run says what they hold (forced_token_ids)
+        placeholder = start + num_new > request.num_tokens + len(request.forced_token_ids)
+        sample = request.num_computed_tokens == (request.num_tokens + request.num_pending_samples
+                                                 + _num_forced_extra(request))
         output.scheduled.append(ScheduledChunk(
             request=request, start_position=start, num_new_tokens=num_new,
             token_ids=_token_slice(request, start, num_new - placeholder),
@@ -405,6 +408,7 @@ class Scheduler(DraftingSteps):
         for output in lost:
             for chunk in output.scheduled:
                 chunk.request.num_pending_samples -= chunk.sample
+                chunk.request.forced_token_ids, chunk.request.forced_step = [], 0   # its sample never comes
                 if chunk.num_draft_tokens:
                     chunk.request.num_draft_tokens = 0
         preempted = len(self._running)
@@ -444,16 +448,27 @@ class Scheduler(DraftingSteps):
         runs = _result_runs(output, seq_ids)
         if len(token_ids) != len(seq_ids) or len(logprobs) != len(seq_ids):
             raise ValueError(f"step {output.step_id}: result does not match the plan")
+        for chunk, begin, _ in runs:
+            run = chunk.request.forced_token_ids
+            if chunk.request.forced_step == output.step_id and run and token_ids[begin] != run[0]:
+                raise ValueError(f"step {output.step_id}: seq {chunk.request.seq_id} sampled {token_ids[begin]} "
+                                 f"where its grammar allowed only {run[0]}")
         updated: list[Request] = []
         for chunk, begin, end in runs:
             request = chunk.request
             request.num_pending_samples -= 1
             if chunk.num_draft_tokens:
                 self._verified(chunk, end - begin - 1)
+            forced: list[int] = []
+            if request.forced_step == output.step_id:
+                forced, request.forced_token_ids, request.forced_step = request.forced_token_ids[1:], [], 0
             if request.is_finished:
                 continue    # finished a step late: these extra tokens are dropped
             request.last_step_tokens = 0
-            for token_id, logprob in zip(token_ids[begin:end], logprobs[begin:end]):
+            # A forced run's tokens follow its first (sampled) one; nothing sampled them, so they have
+            # no logprob (NaN): only requests that do not read logprobs jump (Request.may_jump).
+            given = [*zip(token_ids[begin:end], logprobs[begin:end]), *((t, math.nan) for t in forced)]
+            for token_id, logprob in given:
                 request.output_token_ids.append(token_id)
                 request.output_logprobs.append(logprob)
                 request.last_step_tokens += 1
@@ -548,15 +563,26 @@ def _result_runs(output: SchedulerOutput, seq_ids: Sequence[int]) -> list[tuple[
     return runs
 
 
+def _num_forced_extra(request: Request) -> int:
+    """Positions a forced run adds past the pending sample it starts with."""
+    return max(0, len(request.forced_token_ids) - 1)
+
+
 def _num_remaining(request: Request) -> int:
-    return request.num_tokens + request.num_pending_samples - request.num_computed_tokens
+    return (request.num_tokens + request.num_pending_samples + _num_forced_extra(request)
+            - request.num_computed_tokens)
 
 
 def _token_slice(request: Request, start: int, n: int) -> list[int]:
-    """``all_token_ids[start:start + n]`` without copying the whole history."""
+    """``all_token_ids[start:start + n]`` without copying the whole history; past
+    ``num_tokens``, the forced run's tokens."""
     p = request.num_prompt_tokens
-    return (request.prompt_token_ids[start:start + n]
-            + request.output_token_ids[max(0, start - p):max(0, start + n - p)])
+    ids = (request.prompt_token_ids[start:start + n]
+           + request.output_token_ids[max(0, start - p):max(0, start + n - p)])
+    t = request.num_tokens
+    if request.forced_token_ids and start + n > t:
+        ids += request.forced_token_ids[max(0, start - t):start + n - t]
+    return ids
 
 
 def _check(condition: bool, message: str) -> None:

@@ -40,7 +40,7 @@ log = logging.getLogger("jitney.router")
 SUMMED_STATS = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "steps",
                 "preemptions", "worker_restarts", "prefix_cache_queried_tokens",
                 "prefix_cache_hit_tokens", "grammar_masked_steps", "grammar_mask_seconds",
-                "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+                "grammar_forced_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 # Not summed: the worker's pid means one process; the router's own counter it sets itself.
 NOT_SUMMED_STATS = ("worker_pid", "router_retried_requests")
 # Metadata that belongs to the caller's connection, not to the request.

@@ -38,8 +38,9 @@ class Harness:
     (``client``) and the gRPC door (``stub``) over one servicer."""
 
     def __init__(self, tmp: Path, tokenizer: Any, *, max_queued: int = 2,
-                 ready: engine_pb2.Ready = READY) -> None:
+                 ready: engine_pb2.Ready = READY, jump_forward: bool = True) -> None:
         self.max_queued = max_queued
+        self.jump_forward = jump_forward
         self.tokenizer = tokenizer
         self.worker = ScriptedWorker(tokenizer, ready)
         self.loop = asyncio.new_event_loop()
@@ -65,7 +66,7 @@ class Harness:
         await self.grpc.start()
         cfg = SchedulerProcessConfig(None, "127.0.0.1", 0, None, None, "continuous",
                                      self.link.plan_addr, self.link.result_addr,
-                                     max_queued_requests=self.max_queued)
+                                     max_queued_requests=self.max_queued, jump_forward=self.jump_forward)
         self.stop = asyncio.Event()
         self.life = Lifecycle(self.link, self.servicer, _no_health,
                               lambda ready: _make_engine(cfg, self.link, self.tokenizer, ready, None),
@@ -119,12 +120,12 @@ class Harness:
 
 
 @contextmanager
-def text_worker_harness(folder: Path, tokenizer: Any) -> Iterator[Harness]:
+def text_worker_harness(folder: Path, tokenizer: Any, *, jump_forward: bool = True) -> Iterator[Harness]:
     """A Harness whose worker writes a chosen text (``TextWorker``), started and
     closed around the block: the tool and reasoning door tests' server."""
     from tests.support.text_worker import TextWorker
 
-    harness = Harness(folder, tokenizer)
+    harness = Harness(folder, tokenizer, jump_forward=jump_forward)
     harness.worker = TextWorker(tokenizer)
     try:
         harness.start_worker()

@@ -79,7 +79,9 @@ class ScriptedWorker(FakeWorker):
             max_num_seqs=r.max_num_seqs), max_loras=r.max_loras)
         self.plain = tokenizer(PLAIN, add_special_tokens=False)["input_ids"] + [EOS]
         self.json = tokenizer(JSON_DOC, add_special_tokens=False)["input_ids"] + [EOS]
-        self.sampled: dict[int, int] = {}      # seq_id -> tokens sampled so far
+        # seq_id -> the position of its first sample: the script is read by output position, so a
+        # grammar's forced run fed as input (engine.py's jump-forward) moves it on as samples would
+        self.first_sample: dict[int, int] = {}
         self.top_n: dict[int, int] = {}
         self.masks: dict[int, bytes] = {}
         self.masked_samples = 0
@@ -87,9 +89,9 @@ class ScriptedWorker(FakeWorker):
 
     def run(self, plan: engine_pb2.StepPlan, masks: engine_pb2.StepMasks | None) -> engine_pb2.StepResult:
         for seq_id in plan.freed_seq_ids:
-            self.sampled.pop(seq_id, None)
+            self.first_sample.pop(seq_id, None)
         for new in plan.new_sequences:
-            self.sampled[new.seq_id] = 0
+            self.first_sample.pop(new.seq_id, None)
             self.top_n[new.seq_id] = new.sampling.top_logprobs
         self.masks = {}
         if masks is not None and masks.seq_ids:
@@ -106,8 +108,8 @@ class ScriptedWorker(FakeWorker):
     def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
         if super()._run_chunk(chunk) is None:
             return None
-        k = self.sampled[chunk.seq_id]
-        self.sampled[chunk.seq_id] = k + 1
+        position = chunk.start_position + len(chunk.token_ids) + chunk.last_token_from_sample
+        k = position - self.first_sample.setdefault(chunk.seq_id, position)
         script = self.json if chunk.masked else self.plain
         token = script[k % len(script)]
         if chunk.masked:

@@ -24,16 +24,26 @@ class TextWorker(ScriptedWorker):
         self.target = ""
         self.rng: random.Random | None = None
         self.spelled: dict[int, str] = {}
+        self.spelled_end: dict[int, int] = {}   # seq_id -> the position after its last spelled token
 
     def _run_chunk(self, chunk: engine_pb2.ScheduledChunk) -> int | None:
         if not chunk.masked:
             return super()._run_chunk(chunk)
         if super(ScriptedWorker, self)._run_chunk(chunk) is None:
             return None
-        mask = self.masks[chunk.seq_id]
+        sid = chunk.seq_id
+        # Output tokens the chunk carries as input (a grammar's forced run, engine.py's jump-forward)
+        # are spelled as if sampled.
+        end = self.spelled_end.get(sid)
+        for i, t in enumerate(chunk.token_ids):
+            if end is not None and chunk.start_position + i >= end:
+                self.spelled[sid] = self.spelled.get(sid, "") + self.texts[t]
+                end = chunk.start_position + i + 1
+        mask = self.masks[sid]
         ok = [t for t in range(VOCAB) if allowed(mask, t)]
-        token = pick(ok, self.texts, self.target[len(self.spelled.get(chunk.seq_id, "")):], self.rng)
-        self.spelled[chunk.seq_id] = self.spelled.get(chunk.seq_id, "") + (self.texts[token] if token != EOS else "")
+        token = pick(ok, self.texts, self.target[len(self.spelled.get(sid, "")):], self.rng)
+        self.spelled[sid] = self.spelled.get(sid, "") + (self.texts[token] if token != EOS else "")
+        self.spelled_end[sid] = chunk.start_position + len(chunk.token_ids) + chunk.last_token_from_sample + 1
         self.masked_samples += 1
         self.seqs[chunk.seq_id].last_sampled = token
         return token

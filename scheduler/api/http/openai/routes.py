@@ -154,7 +154,8 @@ class OpenAIRoutes:
         """``GenerationServicer.admit`` (the gRPC path's checks, codes and metrics), its
         refusals as OpenAI errors (an invalid field named by its OpenAI argument)."""
         try:
-            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout, key, door)
+            handle, record, validated = await self.servicer.admit(state, parsed.params, timeout, key, door,
+                                                                  token_logprobs=parsed.logprobs)
         except RequestRefused as refused:
             exc = refused.invalid
             if exc is None:
