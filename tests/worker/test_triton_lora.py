@@ -1,6 +1,6 @@
 """The Triton segmented LoRA kernels (``kernels/triton/lora.py``) against ``layers/lora.py``'s
-torch delta: mixed steps of base rows and adapters of several ranks, one row, all-base steps,
-float32 and bf16, a row's bits alone and in a batch, the block tables, bad arguments.
+torch delta: mixed steps of base rows and adapters of several ranks, one row, 2000 rows, all-base
+steps, float32 and bf16 (and fp16), a row's bits alone and in a batch, the block tables, bad arguments.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors, so the shapes are
 small, but ``in`` is split into two chunks (the second partial), ``out`` is not a multiple of
@@ -68,7 +68,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_a_mixed_step_matches_the_torch_delta(dtype: torch.dtype) -> None:
     a, b, scale = adapters(1, dtype)
     x, slots = rows(2, 70, dtype), mixed_slots(3, 70)
@@ -77,6 +77,13 @@ def test_a_mixed_step_matches_the_torch_delta(dtype: torch.dtype) -> None:
     assert got.dtype == torch.float32 and got.shape == (70, OUT)
     close(got, reference(x, a, b, scale, slots))
     assert (got[slots == 0] == 0).all()
+
+
+def test_a_step_of_two_thousand_rows() -> None:
+    """Many blocks per adapter, and the grid's bound on them (more blocks than adapters' rows fill)."""
+    a, b, scale = adapters(24, torch.bfloat16, n_in=40, n_out=24)
+    x, slots = rows(25, 2000, torch.bfloat16, n_in=40), mixed_slots(26, 2000)
+    close(lora_delta_triton(x, a, b, scale, slots), reference(x, a, b, scale, slots))
 
 
 @pytest.mark.parametrize("rank,ranks", [(12, {1: 3, 2: 12}), (80, {1: 80, 3: 5})], ids=["R12", "R80"])
