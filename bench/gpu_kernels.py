@@ -19,6 +19,15 @@ from Python is out, as in the worker's graphs.
    paged cache, per candidate (rows per tile, keys per trip, warps,
    stages), per head layout; decode launches at 64 sequences of 128 keys,
    per (warps, stages).
+3. **LoRA** (measured only; nothing is tuned from it): for each PEFT module's
+   weight shape (q/o, k/v, gate/up, down), at 1, 32 and 256 rows spread over
+   4 rank-16 adapters, the base linear (cuBLAS) against the Triton
+   ``lora_add_triton`` onto its output (the step's ``lora_blocks`` made once
+   apart, as a step shares them over every linear) and against the torch path
+   ``LoraSlots.apply`` runs today (``lora_delta``, then the add). The base
+   weights cycle through copies as in the skinny sweep, each copy with its own
+   adapters (all slots of a module: 80 / N of its weight's bytes, so they may
+   stay in L2).
 
 ``choose`` turns the measurements into the tuned file (the rule is in its
 docstring); ``--from-json`` reapplies it to a saved report without a GPU.
@@ -45,6 +54,8 @@ from bench.gpu_sections.plumbing import ensure_jitney_importable, log  # noqa: E
 SKINNY_CANDIDATES = [*((bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256) for w, s in ((4, 3), (4, 4), (8, 4))),
                      (16, 512, 4, 3), (16, 512, 4, 4)]
 ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+LORA_ROWS: tuple[int, ...] = (1, 32, 256)
+LORA_RANK, LORA_ADAPTERS = 16, 4
 # (rows per tile, keys per trip, warps, stages); the first is the built-in choice
 ATTENTION_CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 4, 3),
                         (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3)]
@@ -212,6 +223,61 @@ def sweep_attention(shapes: list[str], report: dict[str, Any], deadline: float) 
     ta.LAUNCH.update(defaults[2])
 
 
+def lora_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each PEFT module's weight, one module per shape (q and o, k and v, gate and up agree)."""
+    spec = SHAPES[shape]
+    h, i = spec["hidden_size"], spec["intermediate_size"]
+    nh, kvh = spec["num_attention_heads"], spec["num_key_value_heads"]
+    d = h // nh
+    return {"q/o": (nh * d, h), "k/v": (kvh * d, h), "gate/up": (i, h), "down": (h, i)}
+
+
+def sweep_lora(shapes: list[str], report: dict[str, Any], deadline: float) -> None:
+    import torch
+
+    from jitney.worker.kernels.triton.lora import lora_add_triton, lora_blocks
+    from jitney.worker.layers.lora import lora_delta
+
+    rows_table: list[dict[str, Any]] = []
+    report["lora"] = rows_table
+    slots_n, dt = LORA_ADAPTERS + 1, torch.bfloat16
+    for shape in shapes:
+        for name, (n, k) in lora_shapes(shape).items():
+            copies = max(2, min(32, math.ceil(L2_BYTES / (n * k * 2))))
+            weights = [torch.randn(n, k, device=DEVICE, dtype=dt) * 0.02 for _ in range(copies)]
+            a = [torch.randn(slots_n, LORA_RANK, k, device=DEVICE, dtype=dt) * 0.02 for _ in range(copies)]
+            b = [torch.randn(slots_n, n, LORA_RANK, device=DEVICE, dtype=dt) * 0.02 for _ in range(copies)]
+            scale = torch.full((slots_n,), 2.0, device=DEVICE)
+            for m in LORA_ROWS:
+                if time.monotonic() > deadline:
+                    break
+                x = torch.randn(m, k, device=DEVICE, dtype=dt)
+                y = torch.zeros(m, n, device=DEVICE, dtype=dt)
+                slots = (torch.arange(m, device=DEVICE, dtype=torch.int32) % LORA_ADAPTERS) + 1
+                blocks = lora_blocks(slots, slots_n)
+
+                def torch_path(i: int) -> None:
+                    y.copy_((y.float() + lora_delta(x, a[i % copies], b[i % copies], scale, slots)).to(dt))
+
+                try:
+                    entry: dict[str, Any] = {
+                        "shape": shape, "module": name, "n": n, "k": k, "rows": m,
+                        "base_s": graph_seconds(lambda i: torch.matmul(x, weights[i % copies].T, out=y)),
+                        "triton_s": graph_seconds(lambda i: lora_add_triton(
+                            y, 0, x, a[i % copies], b[i % copies], scale, slots, blocks, check=False)),
+                        "blocks_s": graph_seconds(lambda i: lora_blocks(slots, slots_n)),
+                        "torch_s": graph_seconds(torch_path)}
+                except Exception as exc:  # noqa: BLE001 - one shape's failure leaves the others' figures
+                    log(f"   lora {shape} {name} rows {m}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                rows_table.append(entry)
+                log(f"   lora {shape} {name} {n}x{k} rows {m}: base {entry['base_s'] * 1e6:.1f} us, "
+                    f"triton +{entry['triton_s'] * 1e6:.1f} us, torch +{entry['torch_s'] * 1e6:.1f} us")
+            del weights, a, b
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
 WIN = 0.97   # a skinny launch must take at most this fraction of cuBLAS's time to be used
 
 
@@ -290,6 +356,13 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "## Decode attention, 64 sequences x 128 keys", "", "| warps, stages | us |", "|---|---|"]
     for r in report.get("attention_decode", []):
         lines.append(f"| {r['config']} | {r['s'] * 1e6:.1f} |")
+    lines += ["", "## LoRA: one module's delta beside its base linear (rows spread over 4 rank-16 adapters)", "",
+              "| shape | module | N x K | rows | base us | + Triton us | + torch us | Triton / base | blocks us |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in report.get("lora", []):
+        lines.append(f"| {r['shape']} | {r['module']} | {r['n']}x{r['k']} | {r['rows']} | {r['base_s'] * 1e6:.1f} | "
+                     f"{r['triton_s'] * 1e6:.1f} | {r['torch_s'] * 1e6:.1f} | {r['triton_s'] / r['base_s']:.2f} | "
+                     f"{r['blocks_s'] * 1e6:.1f} |")
     lines += ["", "## Chosen", "", "```json", json.dumps(report.get("tuned", {}), indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -301,7 +374,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--tuned-dir", type=Path, required=True, help="where the card's tuned JSON file is written")
-    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "attention"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["skinny", "attention", "lora"])
     p.add_argument("--smoke", action="store_true",
                    help="CPU, under TRITON_INTERPRET=1: the plumbing with two candidates each (tests)")
     p.add_argument("--from-json", type=Path, default=None, metavar="REPORT",
@@ -312,7 +385,8 @@ def main() -> int:
         return 0
     if args.smoke:
         global DEVICE, SKINNY_CANDIDATES, ATTENTION_CANDIDATES, DECODE_ATTENTION_CANDIDATES, ROWS, PREFILL_TOKENS
-        DEVICE, PREFILL_TOKENS = "cpu", 64
+        global LORA_ROWS
+        DEVICE, PREFILL_TOKENS, LORA_ROWS = "cpu", 64, (1, 2)
         SKINNY_CANDIDATES, ATTENTION_CANDIDATES = SKINNY_CANDIDATES[:2], ATTENTION_CANDIDATES[:2]
         DECODE_ATTENTION_CANDIDATES, ROWS = DECODE_ATTENTION_CANDIDATES[:2], (1, 2)
     ensure_jitney_importable()
@@ -326,7 +400,8 @@ def main() -> int:
     report: dict[str, Any] = {"card": card, "torch": torch.__version__, "triton": triton.__version__,
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     # Each section measures until its share of the budget is spent; one that fails is logged and the rest run.
-    sections = (("skinny", "skinny linears", sweep_skinny, 0.4), ("attention", "attention", sweep_attention, 0.75))
+    sections = (("skinny", "skinny linears", sweep_skinny, 0.4), ("attention", "attention", sweep_attention, 0.75),
+                ("lora", "LoRA kernels", sweep_lora, 0.95))
     for name, title, sweep, share in sections:
         if name in args.skip:
             continue

@@ -1,6 +1,6 @@
 """bench/gpu_kernels.py's plumbing on the CPU (``--smoke``: the Triton interpreter, two candidates
-each, the tiny shape): every section runs and the tuned file follows from the report by ``choose``,
-the same whether derived live or again from the saved report (``--from-json``)."""
+each, the tiny shape): every section (skinny, attention, LoRA) runs and the tuned file follows from
+the report by ``choose``, the same whether derived live or again from the saved report (``--from-json``)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,12 @@ def test_smoke_run_and_from_json_give_the_same_tuned_file(tmp_path: Path) -> Non
         rows = [r for r in report["skinny_rows_table"] if (r["n"], r["k"]) == (n, k)]
         assert rows[0]["skinny_s"] <= 0.97 * rows[0]["cublas_s"] and value[-1] in (1, 2)
     assert "## Skinny linears against cuBLAS" in (tmp_path / "k.md").read_text()
+    modules = ("q/o", "k/v", "gate/up", "down")   # the LoRA section: measured, nothing tuned from it
+    assert [(r["module"], r["rows"]) for r in report["lora"]] == [(m, n) for m in modules for n in (1, 2)]
+    assert all(r[key] > 0 for r in report["lora"] for key in ("base_s", "triton_s", "torch_s", "blocks_s"))
 
     again = run("--from-json", str(tmp_path / "k.json"), "--out", str(tmp_path / "k2.md"), "--json",
                 str(tmp_path / "k2.json"), "--tuned-dir", str(tmp_path / "tuned2"))
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((tmp_path / "tuned2" / "CPU_smoke.json").read_text()) == tuned
+    assert "| tiny | down | 64x128 | 2 |" in (tmp_path / "k2.md").read_text()
