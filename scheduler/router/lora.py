@@ -50,17 +50,26 @@ class AdminFailure(Exception):
 async def load_everywhere(replicas: Sequence[Replica], request: pb.LoadLoraAdapterRequest, metadata: Metadata,
                           timeout: float | None) -> pb.LoadLoraAdapterResponse:
     """Load on every replica, or on none (AdminFailure)."""
-    return await asyncio.shield(_load(list(replicas), request, metadata, timeout))
+    answer = await asyncio.shield(_load(list(replicas), request, metadata, timeout))
+    if isinstance(answer, AdminFailure):
+        raise answer
+    return answer
 
 
 async def unload_everywhere(replicas: Sequence[Replica], request: pb.UnloadLoraAdapterRequest,
                             metadata: Metadata, timeout: float | None) -> pb.UnloadLoraAdapterResponse:
     """Unload from every replica; AdminFailure if any refused."""
-    return await asyncio.shield(_unload(list(replicas), request, metadata, timeout))
+    answer = await asyncio.shield(_unload(list(replicas), request, metadata, timeout))
+    if isinstance(answer, AdminFailure):
+        raise answer
+    return answer
 
+
+# (_load and _unload return their failure rather than raise it: a shielded task
+# whose caller was cancelled would leave an exception no one retrieves.)
 
 async def _load(replicas: list[Replica], request: pb.LoadLoraAdapterRequest, metadata: Metadata,
-                timeout: float | None) -> pb.LoadLoraAdapterResponse:
+                timeout: float | None) -> pb.LoadLoraAdapterResponse | AdminFailure:
     answers = await _each(replicas, "LoadLoraAdapter", request, metadata, timeout)
     failed = [(r, a) for r, a in zip(replicas, answers) if isinstance(a, grpc.aio.AioRpcError)]
     if not failed:
@@ -79,11 +88,11 @@ async def _load(replicas: list[Replica], request: pb.LoadLoraAdapterRequest, met
                         r.target, a.code().name, a.details())
             details += (f"; it could not be undone on {r.target} ({a.code().name}: {a.details()}): "
                         "unload it there")
-    raise AdminFailure(err.code(), details)
+    return AdminFailure(err.code(), details)
 
 
 async def _unload(replicas: list[Replica], request: pb.UnloadLoraAdapterRequest, metadata: Metadata,
-                  timeout: float | None) -> pb.UnloadLoraAdapterResponse:
+                  timeout: float | None) -> pb.UnloadLoraAdapterResponse | AdminFailure:
     answers = await _each(replicas, "UnloadLoraAdapter", request, metadata, timeout)
     failed = [(r, a) for r, a in zip(replicas, answers) if isinstance(a, grpc.aio.AioRpcError)]
     if not failed:
@@ -92,7 +101,7 @@ async def _unload(replicas: list[Replica], request: pb.UnloadLoraAdapterRequest,
     details = f"replica {replica.target}: {err.details()}"
     if done := [r.target for r, a in zip(replicas, answers) if not isinstance(a, grpc.aio.AioRpcError)]:
         details += f"; it was unloaded from {', '.join(done)}"
-    raise AdminFailure(err.code(), details)
+    return AdminFailure(err.code(), details)
 
 
 async def _each(replicas: list[Replica], method: str, request: Any, metadata: Metadata,

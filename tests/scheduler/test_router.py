@@ -40,7 +40,7 @@ class FakeReplica(pb_grpc.GenerationServiceServicer):
     time_remaining: float | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     hits: int = 0
-    lora: str = "ok"              # ok | refuse (its loads) | no-undo (accepts loads, its unloads fail)
+    lora: str = "ok"              # ok | refuse (its loads) | no-undo (accepts loads, its unloads fail) | slow (loads take 5 s)
     adapters: dict[str, str] = field(default_factory=dict)
 
     async def _enter(self, context: grpc.aio.ServicerContext) -> None:
@@ -74,6 +74,8 @@ class FakeReplica(pb_grpc.GenerationServiceServicer):
 
     async def LoadLoraAdapter(self, request: Any, context: Any) -> pb.LoadLoraAdapterResponse:
         await self._enter(context)
+        if self.lora == "slow":
+            await asyncio.sleep(5)
         if self.lora == "refuse":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: rank 64 is above --max-lora-rank 16")
         if request.lora_name in self.adapters:
@@ -378,3 +380,18 @@ def test_a_lora_load_an_unreachable_replica_misses_is_undone_and_a_failed_undo_i
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert [f.adapters for f in c.fakes] == [{}, {}, {"sql": "/a/sql"}]
     run_cluster(["unavailable", "ok", "ok"], body, lora=["ok", "ok", "no-undo"])
+
+
+def test_a_lora_load_whose_caller_gives_up_is_still_undone() -> None:
+    """The caller's deadline passes while one replica is still loading: the router's
+    handler is cancelled, and the load that replica 0 accepted is undone all the same."""
+    async def body(c: Cluster) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/a/sql"), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = asyncio.get_running_loop().time() + 5
+        while c.fakes[0].adapters and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        assert [f.adapters for f in c.fakes] == [{}, {}]
+        assert c.fakes[0].calls == 2                      # the load, then the undo
+    run_cluster(["ok", "ok"], body, lora=["ok", "slow"])
