@@ -14,6 +14,9 @@ the replica's own status. It keeps no request state beyond the call.
   at once (the handler's ``finally``).
 * Tokenize and GetModelInfo go to the least loaded replica; GetServerStats
   asks every replica and returns the sums and each replica's own answer.
+* LoadLoraAdapter / UnloadLoraAdapter go to every replica at once
+  (scheduler/router/lora.py): a load that any replica refuses is undone on
+  those that accepted it.
 * Health: SERVING while at least one replica serves (scheduler/router/replicas.py).
 """
 
@@ -29,6 +32,7 @@ from grpc_health.v1 import health
 
 from jitney.v1 import generation_pb2 as pb
 from jitney.v1 import generation_pb2_grpc as pb_grpc
+from jitney.scheduler.router.lora import AdminFailure, load_everywhere, unload_everywhere
 from jitney.scheduler.router.replicas import Metadata, Replica, ReplicaSet
 from jitney.scheduler.router.routing import Prompt, RoutingPolicy
 from jitney.scheduler.api.validation import ModelLimits, render_prompt
@@ -198,6 +202,24 @@ class RouterServicer(pb_grpc.GenerationServiceServicer):
             assert isinstance(first, grpc.aio.AioRpcError)
             await context.abort(first.code(), f"no replica answered: {first.details()}")
         return self._stats_reply(answers)
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
+        try:
+            return await load_everywhere(list(self.replicas), request, forwarded_metadata(context),
+                                         context.time_remaining())
+        except AdminFailure as failure:
+            await context.abort(failure.code, failure.details)
+            raise AssertionError("unreachable") from None
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> pb.UnloadLoraAdapterResponse:
+        try:
+            return await unload_everywhere(list(self.replicas), request, forwarded_metadata(context),
+                                           context.time_remaining())
+        except AdminFailure as failure:
+            await context.abort(failure.code, failure.details)
+            raise AssertionError("unreachable") from None
 
     def _stats_reply(self, answers: list[pb.GetServerStatsResponse | grpc.aio.AioRpcError]
                      ) -> pb.GetServerStatsResponse:

@@ -88,6 +88,24 @@ def test_load_select_list_unload(srv: Harness, folders: Path) -> None:
     assert "good" not in {m.id for m in srv.client.models.list().data}
 
 
+def test_tokenize_takes_an_adapters_name(srv: Harness, folders: Path) -> None:
+    """/tokenize and /detokenize: an adapter's name is the base model's tokenizer; an
+    unknown name, or one unloaded, is 404 model_not_found as on the other routes."""
+    path = str(write_adapter(folders / "tok"))
+    assert post(srv, "/v1/load_lora_adapter", {"lora_name": "tok", "lora_path": path})[0] == 200
+    status, base = post(srv, "/tokenize", {"model": MODEL, "prompt": "the quick brown fox"})
+    assert status == 200
+    assert post(srv, "/tokenize", {"model": "tok", "prompt": "the quick brown fox"}) == (200, base)
+    ids = json.loads(base)["tokens"]
+    assert post(srv, "/detokenize", {"model": "tok", "tokens": ids})[0] == 200
+    assert post(srv, "/v1/unload_lora_adapter", {"lora_name": "tok"})[0] == 200
+    for model in ("tok", "other"):
+        for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": ids})):
+            status, refused = post(srv, route, {"model": model, **body})
+            assert status == 404 and refused["error"]["code"] == "model_not_found", refused
+            assert refused["error"]["param"] == "model" and f"`{MODEL}`" in refused["error"]["message"]
+
+
 BAD = [
     ("not a folder", lambda d: d / "missing", "lora_path", "not a folder"),
     ("no config", lambda d: _without(write_adapter(d / "noconf"), "adapter_config.json"), "lora_path",

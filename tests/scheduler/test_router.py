@@ -1,6 +1,7 @@
 """`jitney router` in-process against fake replicas (small grpc.aio servers
 that fail on cue): retries, pass-through of errors, deadlines, metadata and
-cancellation, health, and the summed stats. No model, no processes."""
+cancellation, health, the summed stats, and LoRA loads on every replica. No
+model, no processes."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class FakeReplica(pb_grpc.GenerationServiceServicer):
     time_remaining: float | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     hits: int = 0
+    lora: str = "ok"              # ok | refuse (its loads) | no-undo (accepts loads, its unloads fail) | slow (loads take 5 s)
+    adapters: dict[str, str] = field(default_factory=dict)
 
     async def _enter(self, context: grpc.aio.ServicerContext) -> None:
         self.calls += 1
@@ -69,6 +72,25 @@ class FakeReplica(pb_grpc.GenerationServiceServicer):
         await self._enter(context)
         return pb.GenerateResponse(request_id=request.params.request_id, text="ab", token_ids=[1, 2])
 
+    async def LoadLoraAdapter(self, request: Any, context: Any) -> pb.LoadLoraAdapterResponse:
+        await self._enter(context)
+        if self.lora == "slow":
+            await asyncio.sleep(5)
+        if self.lora == "refuse":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: rank 64 is above --max-lora-rank 16")
+        if request.lora_name in self.adapters:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"lora_name: {request.lora_name!r} is loaded")
+        self.adapters[request.lora_name] = request.lora_path
+        return pb.LoadLoraAdapterResponse(rank=8, target_modules=["q_proj", "v_proj"])
+
+    async def UnloadLoraAdapter(self, request: Any, context: Any) -> pb.UnloadLoraAdapterResponse:
+        await self._enter(context)
+        if self.lora == "no-undo":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker was lost")
+        if self.adapters.pop(request.lora_name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"lora_name: no adapter named {request.lora_name!r}")
+        return pb.UnloadLoraAdapterResponse()
+
     async def GetModelInfo(self, request: Any, context: Any) -> pb.GetModelInfoResponse:
         return pb.GetModelInfoResponse(model_name="fake", block_size=BLOCK, num_kv_blocks=64)
 
@@ -83,6 +105,7 @@ class Cluster:
     healths: list[health.aio.HealthServicer]
     stub: pb_grpc.GenerationServiceStub
     health: health_pb2_grpc.HealthStub
+    targets: list[str]
 
 
 async def _start_fake(fake: FakeReplica, pki: Pki | None = None
@@ -117,11 +140,11 @@ async def _wait_health(stub: health_pb2_grpc.HealthStub, status: int, timeout: f
 
 def run_cluster(modes: list[str], body: Callable[[Cluster], Awaitable[None]],
                 policy: str = "cache-aware", replica_targets: list[str] | None = None,
-                pki: Pki | None = None) -> None:
-    """Start fake replicas of ``modes`` and a router in front; run ``body``.
-    With ``pki``: TLS everywhere (the replicas require the router's client certificate)."""
+                pki: Pki | None = None, lora: list[str] | None = None) -> None:
+    """Start fake replicas of ``modes`` (and ``lora`` modes) and a router in front; run
+    ``body``. With ``pki``: TLS everywhere (the replicas require the router's client certificate)."""
     async def main() -> None:
-        fakes = [FakeReplica(mode) for mode in modes]
+        fakes = [FakeReplica(mode, lora=kind) for mode, kind in zip(modes, lora or ["ok"] * len(modes))]
         started = [await _start_fake(f, pki) for f in fakes]
         stop = asyncio.Event()
         port = free_port()
@@ -137,7 +160,7 @@ def run_cluster(modes: list[str], body: Callable[[Cluster], Awaitable[None]],
             async with (grpc.aio.insecure_channel(target) if pki is None else grpc.aio.secure_channel(
                     target, grpc.ssl_channel_credentials(pki.ca.read_bytes()))) as channel:
                 cluster = Cluster(fakes, [h for _, h, _ in started], pb_grpc.GenerationServiceStub(channel),
-                                  health_pb2_grpc.HealthStub(channel))
+                                  health_pb2_grpc.HealthStub(channel), [t for _, _, t in started])
                 if replica_targets is None:
                     await _wait_health(cluster.health, SERVING)
                 await body(cluster)
@@ -304,3 +327,71 @@ def test_router_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert RouterConfig.from_namespace(build_parser().parse_args(["router", "--replica", "a:1"])).replica_tls is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router"])              # at least one --replica
+
+
+KEY = (("authorization", "Bearer k1"),)
+
+
+def test_lora_loads_and_unloads_go_to_every_replica_with_the_callers_key() -> None:
+    async def body(c: Cluster) -> None:
+        reply = await c.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/a/sql"),
+                                             metadata=KEY)
+        assert (reply.rank, list(reply.target_modules)) == (8, ["q_proj", "v_proj"])
+        assert [f.adapters for f in c.fakes] == [{"sql": "/a/sql"}] * 3
+        assert all(f.metadata["authorization"] == "Bearer k1" for f in c.fakes)
+        await c.stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="sql"), metadata=KEY)
+        assert [f.adapters for f in c.fakes] == [{}] * 3 and [f.calls for f in c.fakes] == [2] * 3
+        # an unload some replicas refuse: the others' is not undone, the reply says where it went
+        c.fakes[1].adapters["chat"] = "/a/chat"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="chat"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details() == (f"replica {c.targets[0]}: lora_name: no adapter named 'chat'; "
+                                       f"it was unloaded from {c.targets[1]}")
+        assert [f.adapters for f in c.fakes] == [{}] * 3
+    run_cluster(["ok", "ok", "ok"], body)
+
+
+def test_a_lora_load_one_replica_refuses_is_undone_on_the_others() -> None:
+    async def body(c: Cluster) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="big", lora_path="/a/big"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (f"replica {c.targets[1]}: lora_path: rank 64 is above --max-lora-rank "
+                                       f"16; the load was undone on {c.targets[0]}, {c.targets[2]}")
+        assert [f.adapters for f in c.fakes] == [{}] * 3
+        assert [f.calls for f in c.fakes] == [2, 1, 2]       # the load, then the undo
+    run_cluster(["ok", "ok", "ok"], body, lora=["ok", "refuse", "ok"])
+
+
+def test_a_lora_load_an_unreachable_replica_misses_is_undone_and_a_failed_undo_is_named() -> None:
+    async def body(c: Cluster) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/a/sql"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details() == (
+            f"replica {c.targets[0]}: the worker was lost; the load was undone on {c.targets[1]}; it could not "
+            f"be undone on {c.targets[2]} (UNAVAILABLE: the worker was lost): unload it there")
+        assert [f.adapters for f in c.fakes] == [{}, {}, {"sql": "/a/sql"}]
+        # the replica that holds it now refuses the same name: nothing changes elsewhere
+        c.fakes[0].mode = "ok"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/a/sql"))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert [f.adapters for f in c.fakes] == [{}, {}, {"sql": "/a/sql"}]
+    run_cluster(["unavailable", "ok", "ok"], body, lora=["ok", "ok", "no-undo"])
+
+
+def test_a_lora_load_whose_caller_gives_up_is_still_undone() -> None:
+    """The caller's deadline passes while one replica is still loading: the router's
+    handler is cancelled, and the load that replica 0 accepted is undone all the same."""
+    async def body(c: Cluster) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="sql", lora_path="/a/sql"), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = asyncio.get_running_loop().time() + 5
+        while c.fakes[0].adapters and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        assert [f.adapters for f in c.fakes] == [{}, {}]
+        assert c.fakes[0].calls == 2                      # the load, then the undo
+    run_cluster(["ok", "ok"], body, lora=["ok", "slow"])

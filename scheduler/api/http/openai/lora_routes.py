@@ -6,7 +6,8 @@ adapters (scheduler/api/lora_service.py, shared with gRPC):
                                    field), 409 a name already loaded
     POST /v1/unload_lora_adapter   {"lora_name"}: 200 text; 404 unknown
 
-and how a request's ``model`` selects an adapter (``select_model``). Both
+and how a request's ``model`` selects an adapter (``select_model``; ``model_adapter``
+for the routes that only check the name). Both
 routes sit behind the API key like every route but /health (middleware.py).
 """
 
@@ -29,14 +30,20 @@ _CODES = {409: "lora_adapter_exists", 404: "lora_adapter_not_found"}
 def select_model(servicer: GenerationServicer, state: ServingState, model: Any, params: pb.GenerationParams) -> None:
     """Check a request's ``model``: a served name (the base model), or an
     adapter's, which ``params`` then runs with. Else 404 ``model_not_found``."""
+    if adapter := model_adapter(servicer, state, model):
+        params.lora_adapter = adapter
+
+
+def model_adapter(servicer: GenerationServicer, state: ServingState, model: Any) -> str:
+    """The adapter a request's ``model`` names ("": none given, or a served name
+    of the base model); 404 ``model_not_found`` for any other name."""
     if model is None:
-        return
+        return ""
     names = servicer.served_names(state)
     if model in names:
-        return
+        return ""
     if isinstance(model, str) and servicer.lora.registry.get(model) is not None:
-        params.lora_adapter = model
-        return
+        return model
     served = ", ".join(f"`{n}`" for n in (*names, *servicer.lora.registry.names()))
     raise APIError(404, f"The model `{str(model)[:128]}` does not exist: this server serves {served}",
                    param="model", code="model_not_found")

@@ -7,7 +7,9 @@
 
 A prompt is tokenized as a completion's (special tokens added); messages are
 rendered as a chat completion's (the chat template with the assistant's turn
-opened), by the same ``validate_tokenize`` as the gRPC door's Tokenize. Errors
+opened), by the same ``validate_tokenize`` as the gRPC door's Tokenize. ``model``
+is optional: a served name or a loaded LoRA adapter's (an adapter has its base
+model's tokenizer), else 404 ``model_not_found`` as on the other routes. Errors
 are the OpenAI door's (``APIError``), naming the argument.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jitney.scheduler.api.http.openai.lora_routes import model_adapter
 from jitney.scheduler.api.http.openai.protocol import APIError, parse_request, serving_state
 from jitney.scheduler.api.servicer import GenerationServicer
 from jitney.scheduler.api.validation import validate_tokenize
@@ -99,12 +102,8 @@ class UtilityRoutes:
         return web.json_response({"prompt": str(state.tokenizer.decode(tokens))})
 
     def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        names = self.servicer.served_names(serving_state(self.servicer))
-        if model is not None and model not in names:
-            served = ", ".join(f"`{n}`" for n in names)
-            raise APIError(404, f"The model `{str(model)[:128]}` does not exist: this server serves "
-                           f"{served}", param="model", code="model_not_found")
+        """A served name or a loaded adapter's (whose tokenizer is the base model's)."""
+        model_adapter(self.servicer, serving_state(self.servicer), body.get("model"))
 
 
 async def _body(request: web.Request, allowed: set[str]) -> dict[str, Any]:
