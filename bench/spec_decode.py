@@ -27,7 +27,12 @@ tokens per step. Outputs are compared too: the token ids of every request
 must be equal between the methods (greedy: exactness).
 
     python bench/spec_decode.py [--cases edit-alone edit-all offline draft-alone draft-all] [--limit N]
-                                [--num-speculative-tokens K] [--json PATH]
+                                [--num-speculative-tokens K] [--repeat R] [--json PATH]
+
+``--repeat R`` runs each case's methods in turns R times (off ngram off
+ngram ...: the machine's drift falls on both); the wall and TPOT reported
+per method are the medians, every run's kept beside them, and the token ids
+must be equal in every run.
 
 ``--limit N`` replays only the first N requests of each workload (a short
 run); ``--model`` another model than the default.
@@ -164,6 +169,18 @@ def run_case(case: str, method: str, model: str | None, limit: int | None, tmp: 
     return out
 
 
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's report with its wall and TPOT the runs' medians (each run's kept)."""
+    import statistics
+    out = dict(runs[0])
+    if len(runs) > 1:
+        for key in ("wall_s", "tpot_ms", "tpot_p50_ms", "output_tok_s"):
+            out[f"{key}_runs"] = [r[key] for r in runs]
+            out[key] = round(statistics.median(r[key] for r in runs), 3)
+        out["errors"] = sum(r["errors"] for r in runs)
+    return out
+
+
 def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets, where both methods of a case ran."""
     verdict: dict[str, Any] = {}
@@ -196,6 +213,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model folder (default: the bundled default model)")
     ap.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                     help="K for the ngram and draft runs (default: the server's)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each method, in turns")
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
     results: dict[str, dict[str, Any]] = {}
@@ -203,11 +221,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for case in ns.cases:
             methods = CASES[case][2]
-            results[case] = {m: run_case(case, m, ns.model, ns.limit, Path(tmp), ns.num_speculative_tokens)
-                             for m in methods}
-            tokens = [results[case][m].pop("_tokens") for m in methods]
-            results[case]["same_tokens"] = tokens[0] == tokens[1]
-            same &= tokens[0] == tokens[1]
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            for _ in range(ns.repeat):
+                for m in methods:
+                    runs[m].append(run_case(case, m, ns.model, ns.limit, Path(tmp), ns.num_speculative_tokens))
+            tokens = [r.pop("_tokens") for m in methods for r in runs[m]]
+            results[case] = {m: _median_of(runs[m]) for m in methods}
+            results[case]["same_tokens"] = all(t == tokens[0] for t in tokens)
+            same &= results[case]["same_tokens"]
     report = {"cases": results, "targets": targets(results)}
     print(json.dumps(report, indent=2))
     if ns.json:

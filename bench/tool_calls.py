@@ -164,10 +164,10 @@ class _Reply:
         self.completion_tokens, self.prompt_tokens, self.arguments = completion_tokens, prompt_tokens, arguments
 
 
-def _openai_body(p: Any) -> dict[str, Any]:
+def _openai_body(p: Any, model: str) -> dict[str, Any]:
     """``_params``' request as an OpenAI chat completions body."""
     body: dict[str, Any] = {
-        "model": "default", "messages": [{"role": m.role, "content": m.content} for m in p.chat.messages],
+        "model": model, "messages": [{"role": m.role, "content": m.content} for m in p.chat.messages],
         "max_tokens": p.sampling.max_tokens, "temperature": 0.0, "ignore_eos": p.sampling.ignore_eos,
         "cache_salt": p.cache_salt}
     if p.tools:
@@ -180,6 +180,7 @@ def _openai_body(p: Any) -> dict[str, Any]:
 def _batch(stub: Any, params: list[Any], openai_target: str | None = None) -> tuple[float, list[_Reply]]:
     """All of ``params`` at once (one thread each): seconds, and the replies."""
     from jitney.v1 import generation_pb2 as pb
+    model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name if openai_target else ""
 
     def grpc_call(p: Any) -> _Reply:
         r = stub.Generate(pb.GenerateRequest(params=p), timeout=600)
@@ -188,7 +189,7 @@ def _batch(stub: Any, params: list[Any], openai_target: str | None = None) -> tu
     def openai_call(p: Any) -> _Reply:
         import urllib.request
         post = urllib.request.Request(f"http://{openai_target}/v1/chat/completions",
-                                      data=json.dumps(_openai_body(p)).encode(),
+                                      data=json.dumps(_openai_body(p, model)).encode(),
                                       headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(post, timeout=600) as r:
             reply = json.loads(r.read())

@@ -173,3 +173,76 @@ def test_forced_run_cut_by_max_tokens_ends_with_length(servers: tuple[Harness, H
     assert fast.choices[0].finish_reason == slow.choices[0].finish_reason == "length"
     assert fast.usage.completion_tokens == slow.usage.completion_tokens == 5
     assert _engine(jump).scheduler.block_manager.num_used_blocks == 0
+
+
+# -- the scheduler's accounting -------------------------------------------------------------
+
+def _forced_oracle(request: Any, step_id: int, k: int) -> None:
+    """What the engine does for a jump-forward request when it sends step ``step_id``'s
+    masks: the run that step's sample starts, here the fake model's own next ``k``
+    tokens (a grammar that forces exactly what the model would pick)."""
+    from tests.support.fake_worker import expected_token
+    history, run = list(request.all_token_ids), []
+    for _ in range(min(k, request.sampling.max_tokens - request.num_output_tokens - 1)):
+        run.append(expected_token(history))
+        history.append(run[-1])
+    if len(run) > 1:
+        request.forced_token_ids, request.forced_step = run, step_id
+
+
+@pytest.mark.parametrize("k, block_size, budget", [(2, 16, 64), (5, 4, 64), (12, 4, 16), (30, 16, 512)])
+def test_forced_runs_in_a_pipelined_batch_give_the_reference_output(k: int, block_size: int, budget: int) -> None:
+    from jitney.scheduler.core.config import SchedulerConfig
+    from jitney.scheduler.core.scheduler import Scheduler
+    from tests.support.fake_worker import FakeWorker, make_request, reference_output, wire_plan
+
+    config = SchedulerConfig(block_size=block_size, num_blocks=400, max_model_len=512, max_num_seqs=4,
+                             max_num_batched_tokens=budget)
+    scheduler, worker = Scheduler(config), FakeWorker.for_config(config)
+    requests = [make_request(i, 7 + 3 * i, max_tokens=20 + i) for i in range(6)]
+    for r in requests:
+        scheduler.add_request(r)
+    in_flight: list[tuple[Any, Any]] = []
+    sampled = 0
+    while scheduler.has_work() or in_flight:
+        if len(in_flight) < 2:
+            output = scheduler.schedule()
+            if not output.is_empty:
+                sampled += sum(c.sample for c in output.scheduled)
+                in_flight.append((output, worker.execute(wire_plan(output))))
+                continue
+        output, result = in_flight.pop(0)
+        scheduler.update_from_output(output, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+        scheduler.check_invariants()
+        if in_flight:      # the engine's mask time for the step now in flight
+            nxt = in_flight[0][0]
+            for chunk in nxt.scheduled:
+                r = chunk.request
+                if chunk.sample and not r.is_finished and r.num_pending_samples == 1 and not r.forced_token_ids:
+                    _forced_oracle(r, nxt.step_id, k)
+    for r in requests:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling.max_tokens), r.seq_id
+        assert len(r.output_logprobs) == len(r.output_token_ids)
+    assert scheduler.block_manager.num_used_blocks == 0
+    assert sampled < sum(r.sampling.max_tokens for r in requests)     # forced tokens were not sampled
+
+
+def test_a_sample_other_than_the_forced_token_is_refused_before_anything_changes() -> None:
+    from jitney.scheduler.core.config import SchedulerConfig
+    from jitney.scheduler.core.scheduler import Scheduler
+    from tests.support.fake_worker import FakeWorker, make_request, wire_plan
+
+    config = SchedulerConfig(block_size=4, num_blocks=64, max_model_len=128, max_num_seqs=2,
+                             max_num_batched_tokens=32)
+    scheduler, worker = Scheduler(config), FakeWorker.for_config(config)
+    request = make_request(1, 5, max_tokens=10)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    worker.execute(wire_plan(first))
+    request.forced_token_ids, request.forced_step = [7, 8, 9], first.step_id
+    with pytest.raises(ValueError, match="allowed only 7"):
+        scheduler.update_from_output(first, [1], [6], [0.0])
+    assert request.output_token_ids == [] and request.num_pending_samples == 1
+    # A failed step's forced run is forgotten with it.
+    scheduler.recover_from_failed_step([first])
+    assert request.forced_token_ids == [] and request.forced_step == 0
