@@ -66,4 +66,8 @@ at::Tensor moe_experts_op(const at::Tensor& x, const at::Tensor& topk_ids, const
                           const c10::optional<at::Tensor>& down_bias, int64_t hidden, int64_t intermediate,
                           const std::string& activation, double alpha, double limit, bool out_float, bool portable);
 
+// lora.cpp: LoRA adapters' per-row add into a linear's output slice
+void lora_add_op(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& scale, const at::Tensor& slots, int64_t offset, bool portable);
+
 }  // namespace jitney_cpu

@@ -1,0 +1,303 @@
+// LoRA adapters' per-row add for a whole step (layers/lora.py's LoraSlots.apply
+// on the CPU's invariant path, and layer_stack.cpp after a linear with targets):
+//
+//   y[t, offset : offset + out] += scale[s] * B[s] @ (A[s] @ x[t]),  s = slots[t]
+//
+// A (S, R, in), B (S, out, R) in y's dtype (bf16 or float32), scale (S,)
+// float32, slots (T,) int32; slot 0 is the base model: its rows are skipped, y
+// unchanged bit for bit. The rest are grouped by slot (a counting sort), so a
+// group reads its adapter once while the adapter is in cache.
+//
+// Each row's result depends on that row's x and its adapter only, whatever the
+// step's other rows, their grouping, the blocks a group is cut into or the
+// threads: every sum is a chain of float32 fmas from zero in a fixed order,
+//
+//   shrunk[r] = (fma over k = 0 .. in-1 of A[s, r, k] x[t, k]) * scale[s]
+//   delta[o]  =  fma over r = 0 .. R-1 of B[s, o, r] shrunk[r]
+//
+// and y is rounded once, (float(y) + delta[o]) into y's dtype. The AVX-512
+// path keeps one chain per lane (lanes across r for the first sum, across o
+// for the second, over copies of A and B transposed into float32), so its
+// lanes do exactly the portable loops' operations: both give the same bits.
+// Threads split the work between (group, block of rows) items; a row is one
+// item's alone.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+
+#include "convert.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using jitney_cpu::from_float;  // convert.h
+using jitney_cpu::to_float;
+
+constexpr int64_t kItemRows = 8;  // rows a work item takes (the shrink's register block)
+
+inline int64_t padded16(int64_t n) { return (n + 15) / 16 * 16; }
+
+struct Group {
+  int64_t slot, begin, end;  // rows order[begin, end) hold slot `slot`
+};
+
+// The step's adapter rows grouped by slot, each group's rows in ascending order.
+struct Rows {
+  std::vector<int64_t> order;
+  std::vector<Group> groups;
+};
+
+Rows group_rows(const int32_t* slots, int64_t tokens, int64_t num_slots) {
+  std::vector<int64_t> start(num_slots + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) ++start[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) start[s + 1] += start[s];
+  const int64_t base = start[1];  // slot 0's rows come first: not kept
+  Rows rows;
+  rows.order.resize(tokens - base);
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] != 0) rows.order[next[slots[t]]++ - base] = t;
+  for (int64_t s = 1; s < num_slots; ++s)
+    if (start[s + 1] > start[s]) rows.groups.push_back({s, start[s] - base, start[s + 1] - base});
+  return rows;
+}
+
+struct Shape {
+  int64_t rank, in, out, offset, y_stride;
+};
+
+// ---------------------------------------------------------------------------
+// portable: the chains in plain loops
+// ---------------------------------------------------------------------------
+
+template <typename scalar_t>
+void add_row_portable(const scalar_t* x, const scalar_t* a, const scalar_t* b, float scale, const Shape& sh,
+                      scalar_t* y, float* shrunk) {
+  for (int64_t r = 0; r < sh.rank; ++r) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < sh.in; ++k) acc = std::fma(to_float(a[r * sh.in + k]), to_float(x[k]), acc);
+    shrunk[r] = acc * scale;
+  }
+  for (int64_t o = 0; o < sh.out; ++o) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < sh.rank; ++r) acc = std::fma(to_float(b[o * sh.rank + r]), shrunk[r], acc);
+    y[o] = from_float<scalar_t>(to_float(y[o]) + acc);
+  }
+}
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------
+// AVX-512: the same chains, one per lane
+// ---------------------------------------------------------------------------
+
+// f(std::integral_constant<int, n>{}) for 1 <= n <= N.
+template <int N, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) {
+      f(std::integral_constant<int, N>{});
+    } else {
+      with_count<N - 1>(n, f);
+    }
+  }
+}
+
+// A group's adapter as float32, transposed: at (in, rp) with at[k][r] = A[r][k]
+// (ranks past R zero), bt (R, outp) with bt[r][o] = B[o][r] (columns past out zero).
+template <typename scalar_t>
+void transpose_adapter(const scalar_t* a, const scalar_t* b, const Shape& sh, float* at, float* bt) {
+  const int64_t rp = padded16(sh.rank), outp = padded16(sh.out);
+  std::fill(at, at + sh.in * rp, 0.0f);
+  for (int64_t r = 0; r < sh.rank; ++r)
+    for (int64_t k = 0; k < sh.in; ++k) at[k * rp + r] = to_float(a[r * sh.in + k]);
+  std::fill(bt, bt + sh.rank * outp, 0.0f);
+  for (int64_t o = 0; o < sh.out; ++o)
+    for (int64_t r = 0; r < sh.rank; ++r) bt[r * outp + o] = to_float(b[o * sh.rank + r]);
+}
+
+// NR rows' shrunk (NR, rp) from their x (NR, in) in float32: lane j of chunk c is rank c*16 + j's chain.
+template <int NR>
+void shrink_rows(const float* x, const float* at, float scale, const Shape& sh, float* shrunk) {
+  const int64_t rp = padded16(sh.rank);
+  for (int64_t c = 0; c < rp; c += 16) {
+    __m512 acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < sh.in; ++k) {
+      const __m512 w = _mm512_loadu_ps(at + k * rp + c);
+      for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[i * sh.in + k]), acc[i]);
+    }
+    for (int i = 0; i < NR; ++i) _mm512_storeu_ps(shrunk + i * rp + c, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+  }
+}
+
+inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 lanes) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+// NR rows' NC chunks of 16 outputs from column o0: lane j of chunk c is output
+// o0 + 16c + j's chain over the ranks, then added into y once.
+template <int NR, int NC, typename scalar_t>
+void expand_rows(const float* shrunk, const float* bt, const Shape& sh, int64_t o0, scalar_t* const* y) {
+  const int64_t rp = padded16(sh.rank), outp = padded16(sh.out);
+  __m512 acc[NR][NC];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < sh.rank; ++r) {
+    __m512 w[NC];
+    for (int c = 0; c < NC; ++c) w[c] = _mm512_loadu_ps(bt + r * outp + o0 + 16 * c);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 s = _mm512_set1_ps(shrunk[i * rp + r]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(w[c], s, acc[i][c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const int64_t col = o0 + 16 * c, cols = std::min<int64_t>(16, sh.out - col);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1u);
+    for (int i = 0; i < NR; ++i) {
+      scalar_t* dst = y[i] + col;
+      jitney_cpu::store16(dst, _mm512_add_ps(load16(dst, lanes), acc[i][c]), lanes);
+    }
+  }
+}
+
+// An item's rows (up to kItemRows of one group): x to float32, their shrunk, then
+// every output column, 4 rows x 64 columns at a time.
+template <typename scalar_t>
+void add_rows_avx512(const scalar_t* x, const int64_t* rows, int64_t n, const float* at, const float* bt, float scale,
+                     const Shape& sh, scalar_t* y) {
+  thread_local std::vector<float> xf, shrunk;
+  const int64_t rp = padded16(sh.rank);
+  xf.resize(n * sh.in);
+  shrunk.resize(n * rp);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < sh.in; ++k) xf[i * sh.in + k] = to_float(x[rows[i] * sh.in + k]);
+  with_count<kItemRows>(n, [&](auto NR) { shrink_rows<NR>(xf.data(), at, scale, sh, shrunk.data()); });
+  const int64_t chunks = padded16(sh.out) / 16;
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, n - i0);
+    scalar_t* dst[4];
+    for (int64_t i = 0; i < nr; ++i) dst[i] = y + rows[i0 + i] * sh.y_stride + sh.offset;
+    const float* s = shrunk.data() + i0 * rp;
+    with_count<4>(nr, [&](auto NR) {
+      int64_t c = 0;
+      for (; c + 4 <= chunks; c += 4) expand_rows<NR, 4>(s, bt, sh, 16 * c, dst);
+      with_count<3>(chunks - c, [&](auto NC) { expand_rows<NR, NC>(s, bt, sh, 16 * c, dst); });
+    });
+  }
+}
+#endif  // __AVX512F__
+
+template <typename scalar_t>
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const float* scale,
+              const Rows& rows, const Shape& sh, bool portable) {
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* ap = a.data_ptr<scalar_t>();
+  const scalar_t* bp = b.data_ptr<scalar_t>();
+  scalar_t* yp = y.data_ptr<scalar_t>();
+  const int64_t a_slot = sh.rank * sh.in, b_slot = sh.out * sh.rank;
+  // (group, first row, end) items: a group's rows in blocks of kItemRows
+  struct Item {
+    int64_t group, begin, end;
+  };
+  std::vector<Item> items;
+  for (size_t g = 0; g < rows.groups.size(); ++g)
+    for (int64_t r = rows.groups[g].begin; r < rows.groups[g].end; r += kItemRows)
+      items.push_back({static_cast<int64_t>(g), r, std::min(r + kItemRows, rows.groups[g].end)});
+  const int64_t count = static_cast<int64_t>(items.size());
+#if defined(__AVX512F__)
+  if (!portable) {
+    const int64_t at_size = sh.in * padded16(sh.rank), bt_size = sh.rank * padded16(sh.out);
+    thread_local std::vector<float> transposed;  // the caller's: read by every thread of this call
+    transposed.resize(rows.groups.size() * (at_size + bt_size));
+    float* at = transposed.data();
+    float* bt = at + rows.groups.size() * at_size;
+    at::parallel_for(0, static_cast<int64_t>(rows.groups.size()), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t s = rows.groups[g].slot;
+        transpose_adapter(ap + s * a_slot, bp + s * b_slot, sh, at + g * at_size, bt + g * bt_size);
+      }
+    });
+    at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const Item& it = items[i];
+        const int64_t s = rows.groups[it.group].slot;
+        add_rows_avx512(xp, rows.order.data() + it.begin, it.end - it.begin, at + it.group * at_size,
+                        bt + it.group * bt_size, scale[s], sh, yp);
+      }
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> shrunk(sh.rank);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = rows.groups[items[i].group].slot;
+      for (int64_t r = items[i].begin; r < items[i].end; ++r) {
+        const int64_t t = rows.order[r];
+        add_row_portable(xp + t * sh.in, ap + s * a_slot, bp + s * b_slot, scale[s], sh,
+                         yp + t * sh.y_stride + sh.offset, shrunk.data());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace jitney_cpu {
+
+// y (T, N) in place, columns [offset, offset + out); see the top of this file.
+// Every argument is checked before y is touched.
+void lora_add_op(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& scale, const at::Tensor& slots, int64_t offset, bool portable) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&y), &x, &a, &b, &scale, &slots})
+    TORCH_CHECK(t->device().is_cpu(), "lora_add: every tensor must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2, "lora_add: x and y must be 2-D (tokens, features)");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3, "lora_add: A must be (slots, rank, in), B (slots, out, rank)");
+  TORCH_CHECK(scale.dim() == 1 && slots.dim() == 1, "lora_add: scale must be (slots,), slots (tokens,)");
+  const at::ScalarType dtype = y.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "lora_add: y must be bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(x.scalar_type() == dtype && a.scalar_type() == dtype && b.scalar_type() == dtype,
+              "lora_add: x, A and B must have y's dtype ", dtype, ", got ", x.scalar_type(), ", ", a.scalar_type(),
+              ", ", b.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, "lora_add: scale must be float32, got ", scale.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == at::kInt, "lora_add: slots must be int32, got ", slots.scalar_type());
+  const int64_t num_slots = a.size(0), rank = a.size(1), in = a.size(2), out = b.size(1), tokens = x.size(0);
+  TORCH_CHECK(b.size(0) == num_slots && scale.size(0) == num_slots, "lora_add: A, B and scale hold ", num_slots,
+              ", ", b.size(0), " and ", scale.size(0), " slots");
+  TORCH_CHECK(b.size(2) == rank, "lora_add: A has rank ", rank, ", B ", b.size(2));
+  TORCH_CHECK(x.size(1) == in, "lora_add: x has ", x.size(1), " features, A takes ", in);
+  TORCH_CHECK(y.size(0) == tokens && slots.size(0) == tokens, "lora_add: x, y and slots have ", tokens, ", ",
+              y.size(0), " and ", slots.size(0), " rows");
+  TORCH_CHECK(offset >= 0 && offset + out <= y.size(1), "lora_add: columns [", offset, ", ", offset + out,
+              ") are not within y's ", y.size(1));
+  TORCH_CHECK(y.stride(1) == 1, "lora_add: y's rows must be contiguous");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && scale.is_contiguous() && slots.is_contiguous(),
+              "lora_add: A, B, scale and slots must be contiguous");
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "lora_add: token ", t, " has slot ", sp[t], ", not in 0..",
+                num_slots - 1);
+  const Rows rows = group_rows(sp, tokens, num_slots);
+  if (rows.groups.empty() || rank == 0 || out == 0) return;
+  const at::Tensor xc = x.contiguous();
+  const Shape sh{rank, in, out, offset, y.stride(0)};
+  const float* scales = scale.data_ptr<float>();
+  if (dtype == at::kBFloat16) {
+    lora_add<at::BFloat16>(y, xc, a, b, scales, rows, sh, portable);
+  } else {
+    lora_add<float>(y, xc, a, b, scales, rows, sh, portable);
+  }
+}
+
+}  // namespace jitney_cpu
