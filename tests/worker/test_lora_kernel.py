@@ -1,7 +1,7 @@
 """The CPU's LoRA kernel (csrc/lora.cpp, ``jitney_cpu.lora_add``) against the torch path
 (``layers/lora.py``'s ``lora_delta``): within rounding of it, every row's bits its own
-whatever the batch, its grouping or the threads, the AVX-512 lanes the portable loops'
-bits, base rows untouched, bad arguments refused before y changes."""
+whatever the batch, its grouping or the threads, the float32 AVX-512 lanes the portable
+loops' bits, base rows untouched, bad arguments refused before y changes."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def test_matches_the_torch_delta(shape: tuple[int, ...], dtype: torch.dtype) -> 
     want[:, offset: offset + out] = (want[:, offset: offset + out].float() + delta).to(dtype)
     if dtype is torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * delta.abs().max().item())
-    else:   # one rounding of each apart at most
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    else:   # y's rounding, and (AVX-512 BF16) A x rounded to bf16 as PEFT's lora_A rounds it
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -6 * delta.abs().max().item())
     assert not torch.equal(got, y)
     outside = torch.ones(y.shape[1], dtype=torch.bool)
     outside[offset: offset + out] = False
@@ -89,9 +89,16 @@ def test_base_rows_keep_their_bits(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES[:3])
 def test_portable_loops_give_the_same_bits(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Float32 fmas give the same bits in AVX-512 lanes and the plain loops; AVX-512 BF16's
+    pairs (bf16 adapters where the CPU has it) differ from them, within rounding."""
     adapters = _adapters(shape, dtype, seed=3)
     x, y, slots = _inputs(21, shape, dtype, seed=4)
-    assert torch.equal(_added(y, x, adapters, slots, shape[5]), _added(y, x, adapters, slots, shape[5], True))
+    fast, portable = _added(y, x, adapters, slots, shape[5]), _added(y, x, adapters, slots, shape[5], True)
+    if dtype is torch.bfloat16 and cpu_kernels.lora_kernel() == "avx512_bf16":
+        delta = lora_delta(x, *adapters, slots).abs().max().item()
+        torch.testing.assert_close(fast.float(), portable.float(), rtol=2 ** -7, atol=2 ** -6 * delta)
+    else:
+        assert torch.equal(fast, portable)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

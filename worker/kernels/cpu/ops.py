@@ -33,9 +33,9 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   (AVX-512 VNNI from the nibbles for up to 4 rows, else int8 tiles unpacked in
   cache for the AMX kernel).
 - ``lora_add`` (``csrc/lora.cpp``): LoRA adapters' per-row add into a linear's
-  output slice, a step's rows grouped by adapter, every sum a fixed chain of
-  float32 fmas, so a row's bits depend on its own x and adapter only (the
-  AVX-512 and portable loops give the same bits).
+  output slice, a step's rows grouped by adapter, every sum a fixed chain (float32
+  fmas, or AVX-512 BF16 pairs for bf16 adapters), so a row's bits depend on its
+  own x and adapter only.
 - ``moe_experts`` (``csrc/moe.cpp``, wrapped by ``moe.InvariantMoeExperts``): a
   mixture-of-experts layer's routed experts, each expert's gate, up and down
   on the bf16 linear's kernels over the step's rows routed to it, a token's k
@@ -195,9 +195,17 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     row t of slot ``s = slots[t]`` (0: none, the row untouched), computed in float32 and
     rounded once into y's dtype. ``x (T, in)``, ``a (S, R, in)``, ``b (S, out, R)`` in y's
     dtype (bfloat16 or float32), ``scale (S,)`` float32, ``slots (T,)`` int32; a bad
-    argument raises ``RuntimeError`` before y changes. ``portable``: the plain loops (the same bits)."""
+    argument raises ``RuntimeError`` before y changes. ``portable``: the plain loops (float32
+    fmas: the AVX-512 path's bits, not the AVX-512 BF16 one's)."""
     load()
     torch.ops.jitney_cpu.lora_add(y, x, a, b, scale, slots, offset, portable)
+
+
+def lora_kernel() -> str:
+    """Where bf16 ``lora_add`` runs here: ``avx512_bf16`` (vdpbf16ps), ``avx512`` (float32
+    fmas, the portable loops' bits) or ``portable``; float32 adapters take float32 fmas."""
+    load()
+    return str(torch.ops.jitney_cpu.lora_kernel())
 
 
 class InvariantLinear(nn.Module):

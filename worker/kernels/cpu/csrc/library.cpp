@@ -55,4 +55,5 @@ TORCH_LIBRARY(jitney_cpu, m) {
   // lora.cpp
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor scale, Tensor slots, int offset, "
         "bool portable=False) -> ()", &lora_add_op);
+  m.def("lora_kernel() -> str", &lora_kernel_op);
 }

@@ -5,22 +5,23 @@
 //
 // A (S, R, in), B (S, out, R) in y's dtype (bf16 or float32), scale (S,)
 // float32, slots (T,) int32; slot 0 is the base model: its rows are skipped, y
-// unchanged bit for bit. The rest are grouped by slot (a counting sort), so a
-// group reads its adapter once while the adapter is in cache.
+// unchanged bit for bit. The rest are grouped by slot (a counting sort), and
+// each group's adapter is copied once per call into the layout its kernel
+// reads (transposed: lanes across ranks for A x, across output columns for B).
 //
 // Each row's result depends on that row's x and its adapter only, whatever the
 // step's other rows, their grouping, the blocks a group is cut into or the
-// threads: every sum is a chain of float32 fmas from zero in a fixed order,
+// threads: every sum is a chain from zero in a fixed order, and y is rounded
+// once, (float(y) + delta[o]) into y's dtype. Threads split (group, block of
+// rows) items; a row is one item's alone. Two kinds of chain:
 //
-//   shrunk[r] = (fma over k = 0 .. in-1 of A[s, r, k] x[t, k]) * scale[s]
-//   delta[o]  =  fma over r = 0 .. R-1 of B[s, o, r] shrunk[r]
-//
-// and y is rounded once, (float(y) + delta[o]) into y's dtype. The AVX-512
-// path keeps one chain per lane (lanes across r for the first sum, across o
-// for the second, over copies of A and B transposed into float32), so its
-// lanes do exactly the portable loops' operations: both give the same bits.
-// Threads split the work between (group, block of rows) items; a row is one
-// item's alone.
+//   float32 fmas (float32 adapters; bf16 ones without AVX-512 BF16, or portable):
+//     shrunk[r] = (fma over k = 0 .. in-1 of A[s, r, k] x[t, k]) * scale[s]
+//     delta[o]  =  fma over r = 0 .. R-1 of B[s, o, r] shrunk[r]
+//     the AVX-512 lanes do the portable loops' operations: the same bits.
+//   vdpbf16ps over pairs (bf16 adapters on AVX-512 BF16, twice the products an
+//     instruction): see "AVX-512 BF16" below; other bits than the portable loops'
+//     (as the bf16 linear's kernels differ from its portable loops).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -31,6 +32,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -75,6 +78,11 @@ struct Shape {
   int64_t rank, in, out, offset, y_stride;
 };
 
+// A work item: a group's rows order[begin, end), at most kItemRows.
+struct Item {
+  int64_t group, begin, end;
+};
+
 // ---------------------------------------------------------------------------
 // portable: the chains in plain loops
 // ---------------------------------------------------------------------------
@@ -113,15 +121,53 @@ inline void with_count(int64_t n, F&& f) {
 
 // A group's adapter as float32, transposed: at (in, rp) with at[k][r] = A[r][k]
 // (ranks past R zero), bt (R, outp) with bt[r][o] = B[o][r] (columns past out zero).
+// bf16 is gathered a 32-bit pair at a time (two k of a rank, two r of a column), an
+// odd last one from the pair that ends with it; the copies are exact.
+inline __m512 low_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 high_bf16(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// dst[i * stride] (16 lanes each) = src's column of lanes' elements i = 0 .. n-1, where lane
+// j's element i lies at src + first[j] + i (in elements), lanes outside `lanes` zero.
+inline void gather_columns(const at::BFloat16* src, __m512i first, __mmask16 lanes, int64_t n, float* dst,
+                           int64_t stride) {
+  const __m512i bytes = _mm512_slli_epi32(first, 1);
+  int64_t i = 0;
+  for (; i + 1 < n; i += 2) {
+    const __m512i pairs =
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, _mm512_add_epi32(bytes, _mm512_set1_epi32(2 * i)),
+                                    src, 1);
+    _mm512_storeu_ps(dst + i * stride, low_bf16(pairs));
+    _mm512_storeu_ps(dst + (i + 1) * stride, high_bf16(pairs));
+  }
+  if (i < n) {  // (n >= 2: the pair before lies in the same row)
+    const __m512i pairs = _mm512_mask_i32gather_epi32(
+        _mm512_setzero_si512(), lanes, _mm512_add_epi32(bytes, _mm512_set1_epi32(2 * i - 2)), src, 1);
+    _mm512_storeu_ps(dst + i * stride, high_bf16(pairs));
+  }
+}
+
+inline void gather_columns(const float* src, __m512i first, __mmask16 lanes, int64_t n, float* dst, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i)
+    _mm512_storeu_ps(dst + i * stride, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes,
+                                                                _mm512_add_epi32(first, _mm512_set1_epi32(i)), src, 4));
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 template <typename scalar_t>
 void transpose_adapter(const scalar_t* a, const scalar_t* b, const Shape& sh, float* at, float* bt) {
   const int64_t rp = padded16(sh.rank), outp = padded16(sh.out);
-  std::fill(at, at + sh.in * rp, 0.0f);
-  for (int64_t r = 0; r < sh.rank; ++r)
-    for (int64_t k = 0; k < sh.in; ++k) at[k * rp + r] = to_float(a[r * sh.in + k]);
-  std::fill(bt, bt + sh.rank * outp, 0.0f);
-  for (int64_t o = 0; o < sh.out; ++o)
-    for (int64_t r = 0; r < sh.rank; ++r) bt[r * outp + o] = to_float(b[o * sh.rank + r]);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t c = 0; c < rp; c += 16)  // ranks c..c+15: rows of A, elements along k
+    gather_columns(a, _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(c), iota), _mm512_set1_epi32(sh.in)),
+                   first_lanes(sh.rank - c), sh.in, at + c, rp);
+  for (int64_t o = 0; o < outp; o += 16)  // columns o..o+15: rows of B, elements along r
+    gather_columns(b, _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(o), iota), _mm512_set1_epi32(sh.rank)),
+                   first_lanes(sh.out - o), sh.rank, bt + o, outp);
 }
 
 // NR rows' shrunk (NR, rp) from their x (NR, in) in float32: lane j of chunk c is rank c*16 + j's chain.
@@ -180,8 +226,13 @@ void add_rows_avx512(const scalar_t* x, const int64_t* rows, int64_t n, const fl
   const int64_t rp = padded16(sh.rank);
   xf.resize(n * sh.in);
   shrunk.resize(n * rp);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = 0; k < sh.in; ++k) xf[i * sh.in + k] = to_float(x[rows[i] * sh.in + k]);
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* src = x + rows[i] * sh.in;
+    for (int64_t k = 0; k < sh.in; k += 16) {
+      const __mmask16 lanes = first_lanes(sh.in - k);
+      _mm512_mask_storeu_ps(xf.data() + i * sh.in + k, lanes, load16(src + k, lanes));
+    }
+  }
   with_count<kItemRows>(n, [&](auto NR) { shrink_rows<NR>(xf.data(), at, scale, sh, shrunk.data()); });
   const int64_t chunks = padded16(sh.out) / 16;
   for (int64_t i0 = 0; i0 < n; i0 += 4) {
@@ -196,6 +247,170 @@ void add_rows_avx512(const scalar_t* x, const int64_t* rows, int64_t n, const fl
     });
   }
 }
+#if defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------
+// AVX-512 BF16 (bf16 adapters): vdpbf16ps chains over pairs
+// ---------------------------------------------------------------------------
+//
+// Each lane's chain steps over K pairs (k = 2p, 2p + 1; an odd last k pairs with 0)
+// with one vdpbf16ps each, from zero, as linear_bf16_avx512.cpp's sums do:
+//
+//   shrunk[r] = (dp over pairs p of (A[s, r, 2p..], x[t, 2p..])) * scale[s], rounded to bf16
+//   delta[o]  =  dp over pairs p of (B[s, o, 2p..], shrunk[2p..])
+//
+// twice the products of an fma a lane, so other bits than the portable loops'
+// (as the bf16 linear's kernels differ from its portable loops); still a fixed
+// order per row. The rounding of A x to bf16 is PEFT's too (lora_A's output).
+// y + delta is rounded by vcvtneps2bf16: to nearest even, as from_float, but a
+// float32 denormal sum (below 2^-126) becomes zero, and a NaN keeps its payload.
+
+// A 16 x 16 transpose of 32-bit elements in registers: v[i] lane j <- v[j] lane i.
+inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(v[h + i], v[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(v[h + i], v[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+inline int64_t pairs_of(int64_t n) { return (n + 1) / 2; }
+
+inline __mmask32 first_lanes32(int64_t n) {
+  return n >= 32 ? ~static_cast<__mmask32>(0) : static_cast<__mmask32>((uint64_t{1} << n) - 1u);
+}
+
+// Rows of `len` bf16 elements at src (row i at src + i * len), `rows` of them, as
+// pairs transposed: dst[p * stride + i] = (row i's elements 2p, 2p + 1), an odd
+// len's last pair (element len - 1, 0); rows past `rows` (to a multiple of 16) zero.
+void transpose_pairs(const at::BFloat16* src, int64_t rows, int64_t len, uint32_t* dst, int64_t stride) {
+  const int64_t pairs = pairs_of(len);
+  for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      __m512i v[16];
+      const __mmask32 lanes = first_lanes32(len - 2 * p0);
+      for (int64_t i = 0; i < 16; ++i)
+        v[i] = i0 + i < rows ? _mm512_maskz_loadu_epi16(lanes, src + (i0 + i) * len + 2 * p0) : _mm512_setzero_si512();
+      transpose16(v);
+      for (int64_t p = p0; p < std::min(pairs, p0 + 16); ++p) _mm512_storeu_si512(dst + p * stride + i0, v[p - p0]);
+    }
+  }
+}
+
+// A group's adapter as pairs: atp (pairs_of(in), rp), btp (pairs_of(R), outp).
+void pair_adapter(const at::BFloat16* a, const at::BFloat16* b, const Shape& sh, uint32_t* atp, uint32_t* btp) {
+  transpose_pairs(a, sh.rank, sh.in, atp, padded16(sh.rank));
+  transpose_pairs(b, sh.out, sh.rank, btp, padded16(sh.out));
+}
+
+// NR rows' shrunk as bf16 pairs (NR, pairs_of(rp)) from their x pairs (NR, pairs_of(in)).
+template <int NR>
+void shrink_rows_dp(const uint32_t* x, const uint32_t* atp, float scale, const Shape& sh, uint32_t* shrunk) {
+  const int64_t rp = padded16(sh.rank), kp = pairs_of(sh.in), sp = pairs_of(rp);
+  for (int64_t c = 0; c < rp; c += 16) {
+    __m512 acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; ++p) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(atp + p * rp + c);
+      for (int i = 0; i < NR; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * kp + p])), w);
+    }
+    for (int i = 0; i < NR; ++i) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+      at::BFloat16* dst = reinterpret_cast<at::BFloat16*>(shrunk + i * sp) + c;
+      for (int j = 0; j < 16; ++j) dst[j] = from_float<at::BFloat16>(v[j]);
+    }
+  }
+}
+
+// NR rows' NC chunks of 16 outputs from column o0, added into y once.
+template <int NR, int NC>
+void expand_rows_dp(const uint32_t* shrunk, const uint32_t* btp, const Shape& sh, int64_t o0, at::BFloat16* const* y) {
+  const int64_t outp = padded16(sh.out), sp = pairs_of(padded16(sh.rank));
+  __m512 acc[NR][NC];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs_of(sh.rank); ++p) {
+    __m512bh w[NC];
+    for (int c = 0; c < NC; ++c) w[c] = (__m512bh)_mm512_loadu_si512(btp + p * outp + o0 + 16 * c);
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(static_cast<int>(shrunk[i * sp + p]));
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], s, w[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const int64_t col = o0 + 16 * c;
+    const __mmask16 lanes = first_lanes(sh.out - col);
+    for (int i = 0; i < NR; ++i) {
+      at::BFloat16* dst = y[i] + col;
+      const __m512 sum = _mm512_add_ps(load16(dst, lanes), acc[i][c]);
+      _mm256_mask_storeu_epi16(dst, lanes, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+}
+
+// An item's rows: x as pairs, their shrunk, then every output column, 4 rows x 64 columns at a time.
+void add_rows_dp(const at::BFloat16* x, const int64_t* rows, int64_t n, const uint32_t* atp, const uint32_t* btp,
+                 float scale, const Shape& sh, at::BFloat16* y) {
+  thread_local std::vector<uint32_t> xp, shrunk;
+  const int64_t kp = pairs_of(sh.in), sp = pairs_of(padded16(sh.rank));
+  xp.assign(n * kp, 0u);   // (an odd in's last pair: (x, 0))
+  shrunk.resize(n * sp);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(xp.data() + i * kp, x + rows[i] * sh.in, sh.in * sizeof(at::BFloat16));
+  with_count<kItemRows>(n, [&](auto NR) { shrink_rows_dp<NR>(xp.data(), atp, scale, sh, shrunk.data()); });
+  const int64_t chunks = padded16(sh.out) / 16;
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, n - i0);
+    at::BFloat16* dst[4];
+    for (int64_t i = 0; i < nr; ++i) dst[i] = y + rows[i0 + i] * sh.y_stride + sh.offset;
+    const uint32_t* s = shrunk.data() + i0 * sp;
+    with_count<4>(nr, [&](auto NR) {
+      int64_t c = 0;
+      for (; c + 4 <= chunks; c += 4) expand_rows_dp<NR, 4>(s, btp, sh, 16 * c, dst);
+      with_count<3>(chunks - c, [&](auto NC) { expand_rows_dp<NR, NC>(s, btp, sh, 16 * c, dst); });
+    });
+  }
+}
+
+// The kernel for bf16 adapters: the dp chains.
+void lora_add_dp(const at::BFloat16* xp, const at::BFloat16* ap, const at::BFloat16* bp, at::BFloat16* yp,
+                 const float* scale, const Rows& rows, const Shape& sh, const std::vector<Item>& items) {
+  const int64_t at_size = pairs_of(sh.in) * padded16(sh.rank), bt_size = pairs_of(sh.rank) * padded16(sh.out);
+  const int64_t groups = static_cast<int64_t>(rows.groups.size());
+  thread_local std::vector<uint32_t> paired;  // the caller's: read by every thread of this call
+  paired.resize(groups * (at_size + bt_size));
+  uint32_t* atp = paired.data();
+  uint32_t* btp = atp + groups * at_size;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s = rows.groups[g].slot;
+      pair_adapter(ap + s * sh.rank * sh.in, bp + s * sh.out * sh.rank, sh, atp + g * at_size, btp + g * bt_size);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = items[i];
+      add_rows_dp(xp, rows.order.data() + it.begin, it.end - it.begin, atp + it.group * at_size,
+                  btp + it.group * bt_size, scale[rows.groups[it.group].slot], sh, yp);
+    }
+  });
+}
+#endif  // __AVX512BF16__
 #endif  // __AVX512F__
 
 template <typename scalar_t>
@@ -206,17 +421,20 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
   const scalar_t* bp = b.data_ptr<scalar_t>();
   scalar_t* yp = y.data_ptr<scalar_t>();
   const int64_t a_slot = sh.rank * sh.in, b_slot = sh.out * sh.rank;
-  // (group, first row, end) items: a group's rows in blocks of kItemRows
-  struct Item {
-    int64_t group, begin, end;
-  };
   std::vector<Item> items;
   for (size_t g = 0; g < rows.groups.size(); ++g)
     for (int64_t r = rows.groups[g].begin; r < rows.groups[g].end; r += kItemRows)
       items.push_back({static_cast<int64_t>(g), r, std::min(r + kItemRows, rows.groups[g].end)});
   const int64_t count = static_cast<int64_t>(items.size());
 #if defined(__AVX512F__)
-  if (!portable) {
+  // (gather_columns: an odd last element reads the pair before it; int32 element offsets)
+  if (!portable && sh.in >= 2 && sh.rank >= 2 && a_slot < (int64_t{1} << 30) && b_slot < (int64_t{1} << 30)) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      lora_add_dp(xp, ap, bp, yp, scale, rows, sh, items);
+      return;
+    }
+#endif
     const int64_t at_size = sh.in * padded16(sh.rank), bt_size = sh.rank * padded16(sh.out);
     thread_local std::vector<float> transposed;  // the caller's: read by every thread of this call
     transposed.resize(rows.groups.size() * (at_size + bt_size));
@@ -255,6 +473,16 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 }  // namespace
 
 namespace jitney_cpu {
+
+std::string lora_kernel_op() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
 
 // y (T, N) in place, columns [offset, offset + out); see the top of this file.
 // Every argument is checked before y is touched.

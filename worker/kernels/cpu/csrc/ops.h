@@ -69,5 +69,6 @@ at::Tensor moe_experts_op(const at::Tensor& x, const at::Tensor& topk_ids, const
 // lora.cpp: LoRA adapters' per-row add into a linear's output slice
 void lora_add_op(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& scale, const at::Tensor& slots, int64_t offset, bool portable);
+std::string lora_kernel_op();
 
 }  // namespace jitney_cpu
