@@ -182,8 +182,11 @@ def test_a_load_reaches_the_stack(llama: Path, adapters: dict[str, Path]) -> Non
     assert late.logprobs == _generate(fresh, [1], {1: 2}, [(2, "attn4", adapters["attn4"])]).logprobs
 
 
-def test_reload_replaces_slot(llama: Path, adapters: dict[str, Path]) -> None:
-    runner = ModelRunner(_config(llama))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reload_replaces_slot(llama: Path, adapters: dict[str, Path], dtype: str) -> None:
+    """A slot reloaded in place after steps ran: the next step (through the C++ stack, whose
+    bf16 kernel keeps each slot's adapters in its own layout) uses the new adapter."""
+    runner = ModelRunner(_config(llama, dtype))
     _generate(runner, [1], {1: 1}, [(1, "all16", adapters["all16"])])
     runner.execute(pb.StepPlan(step_id=100, reset=True))
     assert runner.lora is not None
@@ -194,7 +197,7 @@ def test_reload_replaces_slot(llama: Path, adapters: dict[str, Path]) -> None:
             assert not a[1].any() and not b[1].any(), module
         assert not a[1, 4:].any() and not b[1, :, 4:].any(), module   # rank 4 after 16: no residue
     after = _generate(runner, [1], {1: 1}, [])
-    fresh = _generate(ModelRunner(_config(llama)), [1], {1: 1}, [(1, "attn4", adapters["attn4"])])
+    fresh = _generate(ModelRunner(_config(llama, dtype)), [1], {1: 1}, [(1, "attn4", adapters["attn4"])])
     assert after.logprobs[1] == fresh.logprobs[1]
 
 

@@ -12,8 +12,9 @@
 //   LINEAR i      linears[i]; a packed bf16 linear followed by SILU_MUL is one call,
 //                 linear_silu_mul, whose bits are those of the two. With the step's
 //                 LoRA slots, then lora_add (lora.cpp) for each of linear i's LoRA
-//                 targets (add_lora), as LoraSlots.apply on the CPU's path; a linear
-//                 with targets is not fused with its SILU_MUL then. A mixture-of-experts
+//                 targets (add_lora), as LoraSlots.apply on the CPU's path (each target
+//                 keeps its adapters in the kernel's layout between steps, ops.h's
+//                 LoraPacked); a linear with targets is not fused with its SILU_MUL then. A mixture-of-experts
 //                 block is a linear too (layers/moe.py's SparseMoe): its router, softmax,
 //                 top-k (renormalised or not) and moe_experts, as SparseMoe.forward
 //   ROPE_CACHE    rope_and_cache with the layer's rotary table (cos[rope], sin[rope]):
@@ -175,6 +176,7 @@ Program make_program(const std::vector<int64_t>& ops, const std::vector<int64_t>
 struct LoraTarget {
   at::Tensor a, b, scale;
   int64_t offset = 0;
+  std::shared_ptr<jitney_cpu::LoraPacked> packed = std::make_shared<jitney_cpu::LoraPacked>();
 };
 
 struct Layer {
@@ -381,7 +383,7 @@ class LayerStack : public torch::CustomClassHolder {
               at::Tensor y = linear(h);
               if (targets)
                 for (const LoraTarget& t : *targets)
-                  jitney_cpu::lora_add_op(y, h, t.a, t.b, t.scale, *lora_slots, t.offset, false);
+                  jitney_cpu::lora_add_packed(y, h, t.a, t.b, t.scale, *lora_slots, t.offset, t.packed.get());
               h = std::move(y);
             }
             break;

@@ -7,7 +7,9 @@
 // float32, slots (T,) int32; slot 0 is the base model: its rows are skipped, y
 // unchanged bit for bit. The rest are grouped by slot (a counting sort), and
 // each group's adapter is copied once per call into the layout its kernel
-// reads (transposed: lanes across ranks for A x, across output columns for B).
+// reads (transposed: lanes across ranks for A x, across output columns for B;
+// the layer stack keeps the AVX-512 BF16 kernel's copies between calls,
+// ops.h's LoraPacked: exact copies, so the same bits).
 //
 // Each row's result depends on that row's x and its adapter only, whatever the
 // step's other rows, their grouping, the blocks a group is cut into or the
@@ -387,26 +389,43 @@ void add_rows_dp(const at::BFloat16* x, const int64_t* rows, int64_t n, const ui
   }
 }
 
-// The kernel for bf16 adapters: the dp chains.
+// The kernel for bf16 adapters: the dp chains. Each group's adapter as pairs: from
+// `packed` where it holds them (made there at their first use), else made for this call.
 void lora_add_dp(const at::BFloat16* xp, const at::BFloat16* ap, const at::BFloat16* bp, at::BFloat16* yp,
-                 const float* scale, const Rows& rows, const Shape& sh, const std::vector<Item>& items) {
+                 const float* scale, const Rows& rows, const Shape& sh, const std::vector<Item>& items,
+                 jitney_cpu::LoraPacked* packed) {
   const int64_t at_size = pairs_of(sh.in) * padded16(sh.rank), bt_size = pairs_of(sh.rank) * padded16(sh.out);
   const int64_t groups = static_cast<int64_t>(rows.groups.size());
   thread_local std::vector<uint32_t> paired;  // the caller's: read by every thread of this call
-  paired.resize(groups * (at_size + bt_size));
-  uint32_t* atp = paired.data();
-  uint32_t* btp = atp + groups * at_size;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = rows.groups[g].slot;
-      pair_adapter(ap + s * sh.rank * sh.in, bp + s * sh.out * sh.rank, sh, atp + g * at_size, btp + g * bt_size);
+  std::vector<uint32_t*> of(groups);  // group -> its pairs (A's, then B's)
+  std::vector<int64_t> make;          // the groups whose pairs are to be made
+  for (int64_t g = 0; g < groups; ++g) {
+    if (packed) {
+      std::vector<uint32_t>& held = packed->slots[rows.groups[g].slot];
+      if (static_cast<int64_t>(held.size()) != at_size + bt_size) {
+        held.assign(at_size + bt_size, 0u);
+        make.push_back(g);
+      }
+      of[g] = held.data();
+    } else {
+      make.push_back(g);
+    }
+  }
+  if (!packed) {
+    paired.resize(groups * (at_size + bt_size));
+    for (int64_t g = 0; g < groups; ++g) of[g] = paired.data() + g * (at_size + bt_size);
+  }
+  at::parallel_for(0, static_cast<int64_t>(make.size()), 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t g = make[m], s = rows.groups[g].slot;
+      pair_adapter(ap + s * sh.rank * sh.in, bp + s * sh.out * sh.rank, sh, of[g], of[g] + at_size);
     }
   });
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
-      add_rows_dp(xp, rows.order.data() + it.begin, it.end - it.begin, atp + it.group * at_size,
-                  btp + it.group * bt_size, scale[rows.groups[it.group].slot], sh, yp);
+      add_rows_dp(xp, rows.order.data() + it.begin, it.end - it.begin, of[it.group], of[it.group] + at_size,
+                  scale[rows.groups[it.group].slot], sh, yp);
     }
   });
 }
@@ -415,7 +434,7 @@ void lora_add_dp(const at::BFloat16* xp, const at::BFloat16* ap, const at::BFloa
 
 template <typename scalar_t>
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const float* scale,
-              const Rows& rows, const Shape& sh, bool portable) {
+              const Rows& rows, const Shape& sh, bool portable, jitney_cpu::LoraPacked* packed) {
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* ap = a.data_ptr<scalar_t>();
   const scalar_t* bp = b.data_ptr<scalar_t>();
@@ -431,7 +450,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
   if (!portable && sh.in >= 2 && sh.rank >= 2 && a_slot < (int64_t{1} << 30) && b_slot < (int64_t{1} << 30)) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      lora_add_dp(xp, ap, bp, yp, scale, rows, sh, items);
+      lora_add_dp(xp, ap, bp, yp, scale, rows, sh, items, packed);
       return;
     }
 #endif
@@ -484,10 +503,16 @@ std::string lora_kernel_op() {
 #endif
 }
 
-// y (T, N) in place, columns [offset, offset + out); see the top of this file.
-// Every argument is checked before y is touched.
 void lora_add_op(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& scale, const at::Tensor& slots, int64_t offset, bool portable) {
+  lora_add_packed(y, x, a, b, scale, slots, offset, nullptr, portable);
+}
+
+// y (T, N) in place, columns [offset, offset + out); see the top of this file.
+// Every argument is checked before y is touched.
+void lora_add_packed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& scale, const at::Tensor& slots, int64_t offset, LoraPacked* packed,
+                     bool portable) {
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&y), &x, &a, &b, &scale, &slots})
     TORCH_CHECK(t->device().is_cpu(), "lora_add: every tensor must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2, "lora_add: x and y must be 2-D (tokens, features)");
@@ -521,10 +546,22 @@ void lora_add_op(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const 
   const at::Tensor xc = x.contiguous();
   const Shape sh{rank, in, out, offset, y.stride(0)};
   const float* scales = scale.data_ptr<float>();
+  // The pairs `packed` holds are A's and B's as they were at a version: a load (in
+  // place) bumps it. Inference tensors count no versions: not held then.
+  if (packed && (a.is_inference() || b.is_inference())) packed = nullptr;
+  if (packed && (packed->a_version != a._version() || packed->b_version != b._version() ||
+                 packed->a_data != a.data_ptr() || packed->b_data != b.data_ptr() ||
+                 static_cast<int64_t>(packed->slots.size()) != num_slots)) {
+    packed->slots.assign(num_slots, {});
+    packed->a_version = a._version();
+    packed->b_version = b._version();
+    packed->a_data = a.data_ptr();
+    packed->b_data = b.data_ptr();
+  }
   if (dtype == at::kBFloat16) {
-    lora_add<at::BFloat16>(y, xc, a, b, scales, rows, sh, portable);
+    lora_add<at::BFloat16>(y, xc, a, b, scales, rows, sh, portable, packed);
   } else {
-    lora_add<float>(y, xc, a, b, scales, rows, sh, portable);
+    lora_add<float>(y, xc, a, b, scales, rows, sh, portable, packed);
   }
 }
 
