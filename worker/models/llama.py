@@ -318,7 +318,8 @@ class CausalLM(nn.Module):
 
     def layer_stack(self, kv_cache: PagedKVCache) -> torch.ScriptObject | None:
         """The C++ stack of this model's layers over ``kv_cache`` (``cpu_kernels.layer_stack``),
-        with the adapter slots' targets (``use_lora``), made on first use: on the CPU's invariant path (``InvariantCpuLayerOps`` and
+        with the adapter slots' targets (``use_lora``), made on first use: on the CPU's
+        invariant path (``InvariantCpuLayerOps`` and
         ``InvariantCpuAttention``), without tensor parallelism (its all-reduce is
         Python's), with the CPU kernels' linears. None elsewhere: the layers run
         one op at a time. One forward of 30 layers is ~270 op calls from Python

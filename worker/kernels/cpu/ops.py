@@ -286,7 +286,8 @@ def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
     steps are the identity. Its ``forward`` takes the step's embeddings, a list of
     cos and one of sin (a layer's ``rope`` picks one of each) and the attention
     metadata, and each token's LoRA slot (None: no adapter in the step; with it, each
-    layer's ``lora`` targets are added after their linears). None where a linear is not one of this module's (``InvariantLinear``,
+    layer's ``lora`` targets are added after their linears). None where a linear is not
+    one of this module's (``InvariantLinear``,
     ``Int8Linear``, ``Int4Linear``) or returns float32, or an experts block's
     experts return float32."""
     load()
