@@ -109,6 +109,7 @@ def test_llama_matches_peft(llama: Path, adapters: dict[str, Path], name: str) -
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.usefixtures("stack_only")
 def test_other_families_match_peft(tmp_path: Path, family: str) -> None:
     base = (make_tiny_qwen3 if family == "qwen3" else make_tiny_phi3)(tmp_path / family)
     targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family == "phi3" else ATTENTION + MLP
