@@ -435,6 +435,7 @@ void lora_add_dp(const at::BFloat16* xp, const at::BFloat16* ap, const at::BFloa
 template <typename scalar_t>
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const float* scale,
               const Rows& rows, const Shape& sh, bool portable, jitney_cpu::LoraPacked* packed) {
+  (void)packed;  // (the AVX-512 BF16 path's only)
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* ap = a.data_ptr<scalar_t>();
   const scalar_t* bp = b.data_ptr<scalar_t>();
@@ -445,15 +446,17 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
     for (int64_t r = rows.groups[g].begin; r < rows.groups[g].end; r += kItemRows)
       items.push_back({static_cast<int64_t>(g), r, std::min(r + kItemRows, rows.groups[g].end)});
   const int64_t count = static_cast<int64_t>(items.size());
-#if defined(__AVX512F__)
-  // (gather_columns: an odd last element reads the pair before it; int32 element offsets)
-  if (!portable && sh.in >= 2 && sh.rank >= 2 && a_slot < (int64_t{1} << 30) && b_slot < (int64_t{1} << 30)) {
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (!portable) {
       lora_add_dp(xp, ap, bp, yp, scale, rows, sh, items, packed);
       return;
     }
+  }
 #endif
+#if defined(__AVX512F__)
+  // (gather_columns: an odd last element reads the pair before it; int32 element offsets)
+  if (!portable && sh.in >= 2 && sh.rank >= 2 && a_slot < (int64_t{1} << 30) && b_slot < (int64_t{1} << 30)) {
     const int64_t at_size = sh.in * padded16(sh.rank), bt_size = sh.rank * padded16(sh.out);
     thread_local std::vector<float> transposed;  // the caller's: read by every thread of this call
     transposed.resize(rows.groups.size() * (at_size + bt_size));
