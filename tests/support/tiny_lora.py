@@ -27,7 +27,8 @@ def make_peft_adapter(base: Path, path: Path, *, rank: int = 8, alpha: float = 1
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+    # (PEFT annotates lora_alpha as int; it only divides by it, and its alpha_pattern takes floats)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,  # type: ignore[arg-type]
                         bias="none", task_type="CAUSAL_LM", use_rslora=use_rslora,
                         rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
                         layers_to_transform=list(layers) if layers is not None else None)

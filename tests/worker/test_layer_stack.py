@@ -204,3 +204,28 @@ def test_qk_norm_names_two_norms() -> None:
     stack.add_norm(torch.ones(16), 1e-5)
     with pytest.raises(RuntimeError, match="its program names 3 and 0"):
         stack.check()
+
+
+def test_a_lora_target_must_fit_its_linear() -> None:
+    """add_lora names a linear already added, A takes its inputs, B's columns lie within its outputs."""
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+
+    cpu_kernels.load()
+    stack = torch.classes.jitney_cpu.LayerStack(4, 2, 16, 0.25, [int(Op.INPUT_NORM), int(Op.LINEAR)], [0, 0])
+    stack.add_layer(torch.zeros(1), torch.zeros(1))
+    stack.add_norm(torch.ones(64), 1e-5)
+    a, b, scale = torch.zeros(3, 8, 64), torch.zeros(3, 32, 8), torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"no linear 0 \(0 added\)"):
+        stack.add_lora(0, 0, a, b, scale)
+    stack.add_linear(0, torch.zeros(1), None, None, None, 64, 96, False)
+    with pytest.raises(RuntimeError, match="A takes 32 features, linear 0 64"):
+        stack.add_lora(0, 0, torch.zeros(3, 8, 32), b, scale)
+    with pytest.raises(RuntimeError, match=r"columns \[80, 112\) are not within linear 0's 96"):
+        stack.add_lora(0, 80, a, b, scale)
+    with pytest.raises(RuntimeError, match=r"B \(slots, out, rank\)"):
+        stack.add_lora(0, 0, a, torch.zeros(3, 32, 4), scale)
+    stack.add_lora(0, 64, a, b, scale)
+    stack.check()
+    with pytest.raises(RuntimeError, match=r"lora_slots must be int32 of shape \(1\)"):
+        stack.forward(torch.zeros(1, 64), [torch.zeros(1)], [torch.zeros(1)], *[torch.zeros(1)] * 4,
+                      torch.zeros(2, dtype=torch.int32))

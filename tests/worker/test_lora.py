@@ -1,5 +1,6 @@
 """LoRA adapters in the worker: outputs equal PEFT's, a mixed batch equals each row
-alone, loads replace a slot whole, a failed load names the adapter, start refusals."""
+alone (through the CPU's C++ layer stack, which gives the op-by-op path's bits), loads
+replace a slot whole, a failed load names the adapter, start refusals."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.config import WorkerConfig
+from jitney.worker.models.llama import DecoderLayer
 from jitney.worker.runner.model_runner import ModelRunner
 from tests.support.runner_driver import BLOCK, NUM_BLOCKS, PROMPTS, Driver
 from tests.support.tiny_lora import ATTENTION, MLP, make_peft_adapter, peft_reference
@@ -43,6 +45,16 @@ class LoraDriver(Driver):
             self.seqs[sid].tokens.append(token)
             self.logprobs.setdefault(sid, []).append(logprob)
         return dict(zip(result.seq_ids, result.token_ids))
+
+
+def _op_by_op(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a layer ran op by op")
+
+
+@pytest.fixture
+def stack_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step through the C++ layer stack: running a layer op by op fails the test."""
+    monkeypatch.setattr(DecoderLayer, "forward", _op_by_op)
 
 
 def _config(model: Path, dtype: str = "float32", max_loras: int = 3, rank: int = 16) -> WorkerConfig:
@@ -84,6 +96,7 @@ def adapters(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 @pytest.mark.parametrize("name", ["all16", "attn4", "mlp8", "pattern"])
+@pytest.mark.usefixtures("stack_only")
 def test_llama_matches_peft(llama: Path, adapters: dict[str, Path], name: str) -> None:
     runner = ModelRunner(_config(llama))
     driver = _generate(runner, [1, 2], {1: 1}, [(1, name, adapters[name])])
@@ -96,6 +109,7 @@ def test_llama_matches_peft(llama: Path, adapters: dict[str, Path], name: str) -
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.usefixtures("stack_only")
 def test_other_families_match_peft(tmp_path: Path, family: str) -> None:
     base = (make_tiny_qwen3 if family == "qwen3" else make_tiny_phi3)(tmp_path / family)
     targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family == "phi3" else ATTENTION + MLP
@@ -118,6 +132,7 @@ def test_ready_lists_llama_modules(llama: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("stack_only")
 def test_mixed_batch_equals_each_alone(llama: Path, adapters: dict[str, Path], dtype: str) -> None:
     """Base rows and three adapters in one batch, chunked prefill beside decodes: every
     row's tokens and logprobs equal the row run alone in one chunk, bit for bit."""
@@ -136,8 +151,43 @@ def test_mixed_batch_equals_each_alone(llama: Path, adapters: dict[str, Path], d
     assert mixed.logprobs[1][: len(alone.logprobs[1])] == alone.logprobs[1]
 
 
-def test_reload_replaces_slot(llama: Path, adapters: dict[str, Path]) -> None:
-    runner = ModelRunner(_config(llama))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_gives_the_op_by_op_bits(llama: Path, adapters: dict[str, Path], dtype: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Base rows and three adapters in chunks beside decodes, through the C++ stack and
+    op by op from Python (layers/program.py's run): every token and logprob the same bits."""
+    loads = [(1, "all16", adapters["all16"]), (2, "mlp8", adapters["mlp8"]), (3, "pattern", adapters["pattern"])]
+    runs = []
+    for stack in (True, False):
+        runner = ModelRunner(_config(llama, dtype))
+        runner.model.use_layer_stack = stack
+        assert runner.model.layer_stack(runner.cache) is not None
+        with monkeypatch.context() as patch:
+            if stack:
+                patch.setattr(DecoderLayer, "forward", _op_by_op)
+            runs.append(_generate(runner, [1, 2, 3], {1: 1, 2: 3, 3: 2}, loads, chunk=4, steps=STEPS + 6))
+    for sid in (1, 2, 3):
+        assert runs[0].seqs[sid].tokens == runs[1].seqs[sid].tokens, sid
+    assert runs[0].logprobs == runs[1].logprobs
+
+
+def test_a_load_reaches_the_stack(llama: Path, adapters: dict[str, Path]) -> None:
+    """The stack holds the slots' own tensors: a slot loaded after the stack was made is used."""
+    runner = ModelRunner(_config(llama, "bfloat16"))
+    stack = runner.model.layer_stack(runner.cache)
+    assert stack is not None
+    late = _generate(runner, [1], {1: 2}, [(2, "attn4", adapters["attn4"])])
+    assert runner.model.layer_stack(runner.cache) is stack
+    fresh = ModelRunner(_config(llama, "bfloat16"))
+    fresh.model.use_layer_stack = False
+    assert late.logprobs == _generate(fresh, [1], {1: 2}, [(2, "attn4", adapters["attn4"])]).logprobs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reload_replaces_slot(llama: Path, adapters: dict[str, Path], dtype: str) -> None:
+    """A slot reloaded in place after steps ran: the next step (through the C++ stack, whose
+    bf16 kernel keeps each slot's adapters in its own layout) uses the new adapter."""
+    runner = ModelRunner(_config(llama, dtype))
     _generate(runner, [1], {1: 1}, [(1, "all16", adapters["all16"])])
     runner.execute(pb.StepPlan(step_id=100, reset=True))
     assert runner.lora is not None
@@ -148,7 +198,7 @@ def test_reload_replaces_slot(llama: Path, adapters: dict[str, Path]) -> None:
             assert not a[1].any() and not b[1].any(), module
         assert not a[1, 4:].any() and not b[1, :, 4:].any(), module   # rank 4 after 16: no residue
     after = _generate(runner, [1], {1: 1}, [])
-    fresh = _generate(ModelRunner(_config(llama)), [1], {1: 1}, [(1, "attn4", adapters["attn4"])])
+    fresh = _generate(ModelRunner(_config(llama, dtype)), [1], {1: 1}, [(1, "attn4", adapters["attn4"])])
     assert after.logprobs[1] == fresh.logprobs[1]
 
 

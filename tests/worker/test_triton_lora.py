@@ -298,3 +298,24 @@ def test_on_a_card_a_captured_graph_replays_with_other_slots() -> None:
         eager = lora_add_triton(y0.clone(), 0, x, a, b, scale, slots)
         assert torch.equal(y, eager)
 
+
+
+def test_the_triton_layer_ops_add_the_same_as_the_kernel_and_group_rows_once_a_step() -> None:
+    from jitney.worker.layers.ops import TorchLayerOps, TritonLayerOps
+    from jitney.worker.layers.rotary import rotary_for
+
+    ops = TritonLayerOps(rotary_for(16, 10000.0, None).to(DEVICE), 8)
+    a, b, scale = adapters(11, torch.float32)
+    x, slots = rows(12, 9, torch.float32), mixed_slots(13, 9)
+    y = torch.randn(9, OUT + 8, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    want = y.clone()
+    TorchLayerOps(rotary_for(16, 10000.0, None)).lora_add(want, x, a, b, scale, slots, 8)
+    got = y.clone()
+    ops.lora_add(got, x, a, b, scale, slots, 8)
+    assert ops._lora_blocks is not None and ops._lora_blocks[0] is slots
+    first = ops._lora_blocks[1]
+    ops.lora_add(got, x, a, b, scale, slots, 8)        # a second linear of the step: the same blocks
+    assert ops._lora_blocks[1] is first
+    TorchLayerOps(rotary_for(16, 10000.0, None)).lora_add(want, x, a, b, scale, slots, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, :8], y[:, :8])

@@ -11,7 +11,10 @@ fused ``qkv_proj`` and ``gate_up_proj`` get one LoRA per part), the slots hold
 
 on the model's device and dtype. Slot 0 is the base model: all zeros, never written,
 so a base row's delta is exactly zero. A token of slot ``s`` gains
-``scale[s] * B[s] @ (A[s] @ x)`` in float32, added to the linear's output slice.
+``scale[s] * B[s] @ (A[s] @ x)`` in float32, added to the linear's output slice
+by the layer ops' ``lora_add`` (``layers/ops.py``): ``lora_delta`` here in torch, the
+CPU's invariant path ``csrc/lora.cpp`` (as the C++ layer stack, which holds these
+tensors themselves: ``stack_targets``).
 
 A load (``load``) zeroes the slot first and writes it only once every tensor was read
 and checked, so a failed load leaves the slot empty, never half-written; the error
@@ -21,6 +24,7 @@ names the adapter and its folder.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,6 +41,13 @@ class LoraTarget:
     offset: int
     in_features: int
     out_features: int
+
+
+class LoraAdd(Protocol):
+    """What adds a target's deltas (the layer ops, ``layers/ops.py``): in place into y's columns from ``offset``."""
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                 slots: torch.Tensor, offset: int) -> None: ...
 
 
 class LoraLoadError(RuntimeError):
@@ -93,15 +104,20 @@ class LoraSlots:
             self.scale[key][slot] = t.scaling
         self.names[slot] = name
 
-    def apply(self, layer: int, linear: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``y`` (the linear's output for input ``x``) with each token's adapter added;
-        ``slots`` (T,) int32, the token's slot (0: none)."""
+    def apply(self, layer: int, linear: int, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
+              ops: LoraAdd) -> torch.Tensor:
+        """``y`` (the linear's output for input ``x``) with each token's adapter added by
+        ``ops.lora_add``; ``slots`` (T,) int32, the token's slot (0: none)."""
         for t in self.by_linear.get(linear, ()):
             key = (layer, t.name)
-            delta = lora_delta(x, self.a[key], self.b[key], self.scale[key], slots)
-            part = y[:, t.offset: t.offset + t.out_features]
-            part.copy_((part.float() + delta).to(y.dtype))
+            ops.lora_add(y, x, self.a[key], self.b[key], self.scale[key], slots, t.offset)
         return y
+
+    def stack_targets(self, layer: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Layer ``layer``'s targets for the C++ stack: (linear, offset, A, B, scale), the
+        slots' own tensors (a load rewrites them in place), in ``apply``'s order."""
+        return [(linear, t.offset, self.a[(layer, t.name)], self.b[(layer, t.name)], self.scale[(layer, t.name)])
+                for linear, targets in self.by_linear.items() for t in targets]
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,

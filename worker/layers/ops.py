@@ -7,6 +7,9 @@ The model calls four operations between its matmuls:
     silu_mul       silu(gate) * up                                  (between the MLP's matmuls)
     rms_norm       the first layer's input norm
 
+and, in a step with LoRA adapters, ``lora_add`` after each targeted linear
+(``layers/lora.py``): torch's per-row sums, or ``csrc/lora.cpp`` on the CPU's path.
+
 ``TorchLayerOps`` is plain torch with the reference models' rounding (the
 CPU's ``--no-batch-invariant`` path, and the reference for the others).
 ``InvariantCpuLayerOps`` (the CPU default) and ``TritonLayerOps`` (with the
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from jitney.worker.kernels.cpu import ops as cpu_kernels
 from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata
+from jitney.worker.layers.lora import lora_delta
 from jitney.worker.layers.rotary import Rotary
 
 
@@ -80,6 +84,13 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                 slots: torch.Tensor, offset: int) -> None:
+        """In place: ``y``'s columns from ``offset`` gain each row's adapter delta
+        (``layers/lora.py``'s ``lora_delta``), rounded once into y's dtype."""
+        part = y[:, offset: offset + b.shape[1]]
+        part.copy_((part.float() + lora_delta(x, a, b, scale, slots)).to(y.dtype))
+
     def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
                        meta: AttentionMetadata, backend: AttentionBackend,
                        heads: tuple[int, int, int]) -> torch.Tensor:
@@ -107,7 +118,7 @@ class InvariantCpuLayerOps(TorchLayerOps):
     ``add_rms_norm`` works in place, like Triton's: ``x`` becomes the norm,
     ``residual`` the sum. torch's float32 SiLU rounds a vector's tail
     differently from its body, hence the SiLU kernel; Gemma's gelu_mul is
-    one kernel too.
+    one kernel too. LoRA's add is ``cpu_kernels.lora_add`` (the layer stack's too).
     ``rope_inputs`` stays torch's (cos, sin once per step for all layers).
     """
 
@@ -120,6 +131,7 @@ class InvariantCpuLayerOps(TorchLayerOps):
         self._rope_and_cache = ops.rope_and_cache.default
         self._silu_mul = ops.silu_mul.default
         self._gelu_mul = ops.gelu_mul.default
+        self._lora_add = ops.lora_add.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out: torch.Tensor = self._rms_norm(x, weight, eps)
@@ -139,6 +151,11 @@ class InvariantCpuLayerOps(TorchLayerOps):
         out: torch.Tensor = self._gelu_mul(gate_up)
         return out
 
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                 slots: torch.Tensor, offset: int) -> None:
+        """``csrc/lora.cpp``: rows grouped by adapter, each row's sums in a fixed order (batch-invariant)."""
+        self._lora_add(y, x, a, b, scale, slots, offset, False)
+
     def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
                        meta: AttentionMetadata, backend: AttentionBackend,
                        heads: tuple[int, int, int]) -> torch.Tensor:
@@ -156,8 +173,12 @@ class TritonLayerOps(TorchLayerOps):
     def __init__(self, rotary: Rotary | torch.Tensor, max_positions: int) -> None:
         super().__init__(rotary)
         from jitney.worker.kernels.triton import fused as triton_fused
+        from jitney.worker.kernels.triton import lora as triton_lora
 
         self.kernels = triton_fused
+        self.lora_kernels = triton_lora
+        # (a step's slots tensor, its rows grouped by slot): made once a step, read by every linear
+        self._lora_blocks: tuple[torch.Tensor, triton_lora.LoraBlocks] | None = None
         freqs = self.rotary.freqs(torch.arange(max_positions, device=self.rotary.inv_freq.device))
         scale = self.rotary.scale
         self.cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).contiguous()  # (max_positions, d)
@@ -175,6 +196,15 @@ class TritonLayerOps(TorchLayerOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up, check=self.checking)
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                 slots: torch.Tensor, offset: int) -> None:
+        """``kernels/triton/lora.py``: the step's rows grouped by slot on the device (no read back),
+        shrink and expand per block of one adapter's rows, added into y's columns rounded once."""
+        cached = self._lora_blocks
+        if cached is None or cached[0] is not slots:
+            cached = self._lora_blocks = (slots, self.lora_kernels.lora_blocks(slots, a.shape[0]))
+        self.lora_kernels.lora_add_triton(y, offset, x, a, b, scale, slots, cached[1], check=self.checking)
 
     def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
                        meta: AttentionMetadata, backend: AttentionBackend,

@@ -88,14 +88,14 @@ def run(program: Program, norms: Sequence[RMSNorm], linears: Sequence[nn.Module]
     None at the first layer). Linears are called by ``.forward``, not ``__call__``,
     whose hook checks cost ~4 us a call (nothing in Jitney registers hooks on them).
     ``lora``: (the model's adapter slots, this layer's index, each token's slot), when a
-    token of the step has an adapter: each targeted linear's output gains it."""
+    token of the step has an adapter: each targeted linear's output gains it (``ops.lora_add``)."""
     h = x
     for op, index in program:
         if op is Op.LINEAR:
             if lora is None:
                 h = linears[index].forward(h)
             else:
-                h = lora[0].apply(lora[1], index, h, linears[index].forward(h), lora[2])
+                h = lora[0].apply(lora[1], index, h, linears[index].forward(h), lora[2], ops)
         elif op is Op.INPUT_NORM or op is Op.ADD_NORM:
             norm = norms[index]
             if residual is None:

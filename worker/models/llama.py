@@ -190,17 +190,19 @@ class DecoderLayer(nn.Module):
             targets.append(LoraTarget("down_proj", 3, 0, inter, h))
         return targets
 
-    def stack_layer(self, kv: tuple[torch.Tensor, torch.Tensor]) -> StackLayer | None:
-        """This layer over its cache ``kv`` for the C++ stack (``cpu_kernels.layer_stack``);
-        None when a part of it is not on the CPU's kernels (an experts block elsewhere)."""
+    def stack_layer(self, kv: tuple[torch.Tensor, torch.Tensor], lora: LoraSlots | None = None) -> StackLayer | None:
+        """This layer over its cache ``kv`` for the C++ stack (``cpu_kernels.layer_stack``),
+        with its targets of ``lora``'s adapter slots; None when a part of it is not on the
+        CPU's kernels (an experts block elsewhere)."""
         linears: list[nn.Module | RoutedExperts] = []
         for linear in self.linears():
             part = linear.cpu_parts() if isinstance(linear, SparseMoe) else linear
             if part is None:
                 return None
             linears.append(part)
+        targets = [cpu_kernels.StackLora(*t) for t in lora.stack_targets(self.index)] if lora is not None else []
         return cpu_kernels.StackLayer(self.PROGRAM, [(norm.weight, norm.eps) for norm in self.norms()], kv[0], kv[1],
-                                      linears, self.rope, **self.attend)
+                                      linears, self.rope, **self.attend, lora=targets)
 
 
 class Decoder(nn.Module):
@@ -268,13 +270,12 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)  # (T, hidden)
         layer_ops = self.layer_ops()
         ropes = [ops.rope_inputs(positions, x.dtype) for ops in layer_ops]   # once per step, per table
-        # A step with adapter rows runs op by op (the C++ stack has no LoRA op): the same
-        # kernels in the same order, so its base rows get the stack's bits.
         adapters = self.lora if meta.lora_slots is not None else None
-        stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack and adapters is None else None
+        stack: Any = self.layer_stack(kv_cache) if self.use_layer_stack else None
         if stack is not None:
             out, stream = stack.forward(x, [rope[0] for rope in ropes], [rope[1] for rope in ropes],
-                                        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+                                        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                        meta.lora_slots if adapters is not None else None)
             return cast(torch.Tensor, out + stream)
         residual: torch.Tensor | None = None
         checked: set[int] = set()
@@ -302,6 +303,7 @@ class CausalLM(nn.Module):
         offered = [{t.name: t for t in layer.lora_targets(self.config)} for layer in layers]
         common = [t for name, t in offered[0].items() if all(o.get(name) == t for o in offered)]
         self.lora = LoraSlots(common, len(layers), max_loras, max_rank, dtype, device)
+        self._stack = None   # (a stack made before holds no targets)
         return self.lora
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -316,7 +318,8 @@ class CausalLM(nn.Module):
 
     def layer_stack(self, kv_cache: PagedKVCache) -> torch.ScriptObject | None:
         """The C++ stack of this model's layers over ``kv_cache`` (``cpu_kernels.layer_stack``),
-        made on first use: on the CPU's invariant path (``InvariantCpuLayerOps`` and
+        with the adapter slots' targets (``use_lora``), made on first use: on the CPU's
+        invariant path (``InvariantCpuLayerOps`` and
         ``InvariantCpuAttention``), without tensor parallelism (its all-reduce is
         Python's), with the CPU kernels' linears. None elsewhere: the layers run
         one op at a time. One forward of 30 layers is ~270 op calls from Python
@@ -329,7 +332,7 @@ class CausalLM(nn.Module):
         if (self.STACKABLE and all(isinstance(ops, InvariantCpuLayerOps) for ops in self.layer_ops())
                 and isinstance(self.backend, InvariantCpuAttention)
                 and all(layer.reduce is no_reduce and layer.self_attn.scale == attn.scale for layer in layers)):
-            parts = [layer.stack_layer(kv_cache.layer(i)) for i, layer in enumerate(layers)]
+            parts = [layer.stack_layer(kv_cache.layer(i), self.lora) for i, layer in enumerate(layers)]
             if all(part is not None for part in parts):
                 stack = cpu_kernels.layer_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
                                                 cast(list[StackLayer], parts))

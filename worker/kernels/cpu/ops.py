@@ -32,6 +32,10 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   integer scale per 32 inputs, exactly the int8 layer of the weights ``c * q``
   (AVX-512 VNNI from the nibbles for up to 4 rows, else int8 tiles unpacked in
   cache for the AMX kernel).
+- ``lora_add`` (``csrc/lora.cpp``): LoRA adapters' per-row add into a linear's
+  output slice, a step's rows grouped by adapter, every sum a fixed chain (float32
+  fmas, or AVX-512 BF16 pairs for bf16 adapters), so a row's bits depend on its
+  own x and adapter only.
 - ``moe_experts`` (``csrc/moe.cpp``, wrapped by ``moe.InvariantMoeExperts``): a
   mixture-of-experts layer's routed experts, each expert's gate, up and down
   on the bf16 linear's kernels over the step's rows routed to it, a token's k
@@ -185,6 +189,25 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+             slots: torch.Tensor, offset: int, portable: bool = False) -> None:
+    """In place: ``y[t, offset : offset + out] += scale[s] * B[s] @ (A[s] @ x[t])`` for each
+    row t of slot ``s = slots[t]`` (0: none, the row untouched), computed in float32 and
+    rounded once into y's dtype. ``x (T, in)``, ``a (S, R, in)``, ``b (S, out, R)`` in y's
+    dtype (bfloat16 or float32), ``scale (S,)`` float32, ``slots (T,)`` int32; a bad
+    argument raises ``RuntimeError`` before y changes. ``portable``: the plain loops (float32
+    fmas: the AVX-512 path's bits, not the AVX-512 BF16 one's)."""
+    load()
+    torch.ops.jitney_cpu.lora_add(y, x, a, b, scale, slots, offset, portable)
+
+
+def lora_kernel() -> str:
+    """Where bf16 ``lora_add`` runs here: ``avx512_bf16`` (vdpbf16ps), ``avx512`` (float32
+    fmas, the portable loops' bits) or ``portable``; float32 adapters take float32 fmas."""
+    load()
+    return str(torch.ops.jitney_cpu.lora_kernel())
+
+
 class InvariantLinear(nn.Module):
     """``y = x W^T + b`` through ``jitney_cpu.linear``; x is (T, in_features).
 
@@ -224,11 +247,24 @@ class RoutedExperts:
 
 
 @dataclass(frozen=True)
+class StackLora:
+    """A LoRA target of a stack layer's linear ``linear`` (``layers/lora.py``): after it,
+    ``lora_add`` of ``a``, ``b``, ``scale`` (the adapter slots' tensors themselves, which
+    a load rewrites in place) into its output columns from ``offset``."""
+
+    linear: int
+    offset: int
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StackLayer:
     """One decoder layer for ``layer_stack``: its program (``layers/program.py``'s (op,
     index) steps), the [(weight, eps), ...] of the norms and the linears (or experts
     blocks) its indices name, its K and V caches, which of ``forward``'s rotary tables
-    it rotates by, and its attention's window, soft cap and sinks (None: off)."""
+    it rotates by, its attention's window, soft cap and sinks (None: off), and its LoRA targets."""
 
     program: Sequence[tuple[int, int]]
     norms: list[tuple[torch.Tensor, float]]
@@ -239,6 +275,7 @@ class StackLayer:
     window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    lora: Sequence[StackLora] = ()
 
 
 def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -248,7 +285,9 @@ def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
     program's order (so the same bits). Only without tensor parallelism: its REDUCE
     steps are the identity. Its ``forward`` takes the step's embeddings, a list of
     cos and one of sin (a layer's ``rope`` picks one of each) and the attention
-    metadata. None where a linear is not one of this module's (``InvariantLinear``,
+    metadata, and each token's LoRA slot (None: no adapter in the step; with it, each
+    layer's ``lora`` targets are added after their linears). None where a linear is not
+    one of this module's (``InvariantLinear``,
     ``Int8Linear``, ``Int4Linear``) or returns float32, or an experts block's
     experts return float32."""
     load()
@@ -271,6 +310,8 @@ def layer_stack(num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         for lin in layer.linears:
             if not _add_linear(stack, lin):
                 return None
+        for target in layer.lora:
+            stack.add_lora(target.linear, target.offset, target.a, target.b, target.scale)
     stack.check()
     return stack
 

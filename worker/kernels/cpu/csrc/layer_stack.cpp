@@ -10,7 +10,11 @@
 //
 //   INPUT_NORM i  rms_norm (layer 0: residual = x), else add_rms_norm into the stream
 //   LINEAR i      linears[i]; a packed bf16 linear followed by SILU_MUL is one call,
-//                 linear_silu_mul, whose bits are those of the two. A mixture-of-experts
+//                 linear_silu_mul, whose bits are those of the two. With the step's
+//                 LoRA slots, then lora_add (lora.cpp) for each of linear i's LoRA
+//                 targets (add_lora), as LoraSlots.apply on the CPU's path (each target
+//                 keeps its adapters in the kernel's layout between steps, ops.h's
+//                 LoraPacked); a linear with targets is not fused with its SILU_MUL then. A mixture-of-experts
 //                 block is a linear too (layers/moe.py's SparseMoe): its router, softmax,
 //                 top-k (renormalised or not) and moe_experts, as SparseMoe.forward
 //   ROPE_CACHE    rope_and_cache with the layer's rotary table (cos[rope], sin[rope]):
@@ -27,8 +31,10 @@
 //
 // From Python those are ~270 op calls a step (30 layers), each paying the
 // dispatcher's Python binding and the layer's Python around it. The stack holds
-// every layer's weights and cache views from the start, and a step passes only
-// what changes: the embeddings, the rotary inputs and the attention metadata.
+// every layer's weights and cache views from the start (and its LoRA targets'
+// adapter slots, which a load rewrites in place), and a step passes only what
+// changes: the embeddings, the rotary inputs, the attention metadata and each
+// token's LoRA slot (none: no adapter in the step).
 //
 // The class is registered here (a TORCH_LIBRARY_FRAGMENT: library.cpp holds
 // jitney_cpu's one TORCH_LIBRARY).
@@ -166,6 +172,13 @@ Program make_program(const std::vector<int64_t>& ops, const std::vector<int64_t>
   return p;
 }
 
+// A LoRA target of a layer's linear: lora_add's adapter slots and output offset.
+struct LoraTarget {
+  at::Tensor a, b, scale;
+  int64_t offset = 0;
+  std::shared_ptr<jitney_cpu::LoraPacked> packed = std::make_shared<jitney_cpu::LoraPacked>();
+};
+
 struct Layer {
   at::Tensor k_cache, v_cache;
   std::vector<Norm> norms;
@@ -175,6 +188,7 @@ struct Layer {
   c10::optional<int64_t> window;
   c10::optional<double> softcap;
   c10::optional<at::Tensor> sinks;
+  std::vector<std::vector<LoraTarget>> lora;  // by linear index (shorter: none past it)
 };
 
 class LayerStack : public torch::CustomClassHolder {
@@ -248,6 +262,26 @@ class LayerStack : public torch::CustomClassHolder {
     layers_.back().linears.push_back(std::move(l));
   }
 
+  // A LoRA target of the last layer's linear `linear` (added before): A (slots, rank,
+  // in_features), B (slots, out, rank), scale (slots,), the output columns from offset.
+  void add_lora(int64_t linear, int64_t offset, at::Tensor a, at::Tensor b, at::Tensor scale) {
+    TORCH_CHECK(!layers_.empty(), "add_lora needs a layer");
+    Layer& layer = layers_.back();
+    TORCH_CHECK(linear >= 0 && linear < static_cast<int64_t>(layer.linears.size()), "add_lora: no linear ", linear,
+                " (", layer.linears.size(), " added)");
+    const Linear& l = layer.linears[linear];
+    TORCH_CHECK(l.kind != Kind::kExperts, "add_lora: linear ", linear, " is an experts block");
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && scale.dim() == 1 && a.size(0) == b.size(0) &&
+                    a.size(0) == scale.size(0) && a.size(1) == b.size(2),
+                "add_lora: A must be (slots, rank, in), B (slots, out, rank), scale (slots,)");
+    TORCH_CHECK(a.size(2) == l.in_features, "add_lora: A takes ", a.size(2), " features, linear ", linear, " ",
+                l.in_features);
+    TORCH_CHECK(offset >= 0 && offset + b.size(1) <= l.out_features, "add_lora: columns [", offset, ", ",
+                offset + b.size(1), ") are not within linear ", linear, "'s ", l.out_features);
+    if (static_cast<int64_t>(layer.lora.size()) <= linear) layer.lora.resize(linear + 1);
+    layer.lora[linear].push_back(LoraTarget{std::move(a), std::move(b), std::move(scale), offset});
+  }
+
   // The last linear added becomes the router of a mixture-of-experts block, which takes
   // its place as the layer's linear: moe_experts' packed weights and arguments
   // (kernels/cpu/moe.py's InvariantMoeExperts), top_k of the router's experts per token.
@@ -298,14 +332,18 @@ class LayerStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x: the step's embeddings (T, hidden); cos[i], sin[i]: rotary table i's inputs (T, d) ->
-  // (the last layer's output, the residual stream before it), as CausalLM.forward's
-  // loop over the layers leaves them.
+  // x: the step's embeddings (T, hidden); cos[i], sin[i]: rotary table i's inputs (T, d);
+  // lora_slots: each token's LoRA slot (T,) int32, or None -> (the last layer's output,
+  // the residual stream before it), as CausalLM.forward's loop over the layers leaves them.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+                                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                             const c10::optional<at::Tensor>& lora_slots) {
     check();
     TORCH_CHECK(x.dim() == 2, "x must be (tokens, hidden)");
+    TORCH_CHECK(!lora_slots.has_value() || (lora_slots->dim() == 1 && lora_slots->size(0) == x.size(0) &&
+                                            lora_slots->scalar_type() == at::kInt),
+                "lora_slots must be int32 of shape (", x.size(0), ")");
     TORCH_CHECK(cos.size() == sin.size(), "one sin per cos: got ", cos.size(), " and ", sin.size());
     for (size_t i = 0; i < layers_.size(); ++i)
       TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(cos.size()), "layer ", i, " rotates by table ",
@@ -331,12 +369,22 @@ class LayerStack : public torch::CustomClassHolder {
           }
           case Op::kLinear: {
             const Linear& linear = layer.linears[step.index];
-            if (linear.kind == Kind::kPacked && s + 1 < program.size() && program[s + 1].op == Op::kSiluMul) {
+            const std::vector<LoraTarget>* targets =
+                lora_slots.has_value() && step.index < static_cast<int64_t>(layer.lora.size()) &&
+                        !layer.lora[step.index].empty()
+                    ? &layer.lora[step.index]
+                    : nullptr;
+            if (!targets && linear.kind == Kind::kPacked && s + 1 < program.size() &&
+                program[s + 1].op == Op::kSiluMul) {
               h = jitney_cpu::linear_silu_mul_op(h, linear.weights, linear.bias, linear.in_features,
                                                  linear.out_features, linear.portable);
               ++s;  // the SiLU * up is done
             } else {
-              h = linear(h);
+              at::Tensor y = linear(h);
+              if (targets)
+                for (const LoraTarget& t : *targets)
+                  jitney_cpu::lora_add_packed(y, h, t.a, t.b, t.scale, *lora_slots, t.offset, t.packed.get());
+              h = std::move(y);
             }
             break;
           }
@@ -403,7 +451,11 @@ TORCH_LIBRARY_FRAGMENT(jitney_cpu, m) {
       .def("add_norm", &LayerStack::add_norm)
       .def("add_linear", &LayerStack::add_linear)
       .def("add_experts", &LayerStack::add_experts)
+      .def("add_lora", &LayerStack::add_lora)
       .def("check", &LayerStack::check)
       .def("num_layers", &LayerStack::num_layers)
-      .def("forward", &LayerStack::forward);
+      .def("forward", &LayerStack::forward, "",
+           {torch::arg("x"), torch::arg("cos"), torch::arg("sin"), torch::arg("slot_mapping"),
+            torch::arg("block_tables"), torch::arg("seq_lens"), torch::arg("query_start_loc"),
+            torch::arg("lora_slots") = c10::IValue()});
 }

@@ -52,4 +52,8 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, Tensor up, Tensor down, "
         "Tensor? gate_bias, Tensor? up_bias, Tensor? down_bias, int hidden, int intermediate, str activation, "
         "float alpha, float limit, bool out_float, bool portable=False) -> Tensor", &moe_experts_op);
+  // lora.cpp
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor scale, Tensor slots, int offset, "
+        "bool portable=False) -> ()", &lora_add_op);
+  m.def("lora_kernel() -> str", &lora_kernel_op);
 }

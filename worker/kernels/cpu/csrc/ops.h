@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace jitney_cpu {
 
@@ -65,5 +66,23 @@ at::Tensor moe_experts_op(const at::Tensor& x, const at::Tensor& topk_ids, const
                           const c10::optional<at::Tensor>& gate_bias, const c10::optional<at::Tensor>& up_bias,
                           const c10::optional<at::Tensor>& down_bias, int64_t hidden, int64_t intermediate,
                           const std::string& activation, double alpha, double limit, bool out_float, bool portable);
+
+// lora.cpp: LoRA adapters' per-row add into a linear's output slice
+void lora_add_op(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& scale, const at::Tensor& slots, int64_t offset, bool portable);
+// A LoRA target's adapters in the AVX-512 BF16 kernel's layout, kept between calls
+// (layer_stack.cpp's targets): a slot's pairs are made at its first use, all of them
+// again once A or B is another tensor or was written (its version counter).
+struct LoraPacked {
+  const void* a_data = nullptr;
+  const void* b_data = nullptr;
+  int64_t a_version = -1, b_version = -1;
+  std::vector<std::vector<uint32_t>> slots;  // per slot: A's pairs then B's; empty until used
+};
+// lora_add_op, with the pairs `packed` holds (nullptr: made for this call only): the same bits.
+void lora_add_packed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& scale, const at::Tensor& slots, int64_t offset, LoraPacked* packed,
+                     bool portable = false);
+std::string lora_kernel_op();
 
 }  // namespace jitney_cpu
