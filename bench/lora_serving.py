@@ -117,6 +117,8 @@ def main() -> int:
         spread = workload_with_adapters(WORKLOAD, work / "mix.jsonl", names, args.limit)
         warm = workload_with_adapters(WORKLOAD, work / "warm.jsonl", names[:1], 1)
         for turn in range(args.repeat):
+            for case in ("base", "lora", "mix"):
+                (work / f"{case}-{turn}").mkdir()
             with running_server([], work / f"base-{turn}", startup_timeout=300) as server:
                 runs["base"].append(bench(server.target, plain, work / "base.json"))
             with running_server(lora_flags, work / f"lora-{turn}", startup_timeout=300) as server:

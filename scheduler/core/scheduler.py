@@ -198,10 +198,15 @@ class Scheduler(DraftingSteps):
     def _schedule_running(self, output: SchedulerOutput) -> None:
         # Decodes first, so a long prefill chunk never stalls the riders.
         order = sorted(self._running, key=lambda r: _num_remaining(r) > 1)
+        reserve = self._fair_reserve()
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue    # preempted earlier in this step
             num_new = min(self._num_schedulable(request), self._budget_left(output))
+            if (reserve is not None and num_new > 1 and request.tenant != reserve[0]
+                    and not self._served_more(reserve[0], request.tenant)):
+                # a prompt chunk of a more-served tenant leaves the boarding one its share of the step
+                num_new = min(num_new, self._budget_left(output) - reserve[1])
             num_new = self._within_step_time(request.num_computed_tokens, num_new, output)
             if num_new <= 0:
                 continue
@@ -232,6 +237,9 @@ class Scheduler(DraftingSteps):
 
     def _admit_waiting(self, output: SchedulerOutput) -> None:
         seats = self._boarding_seats()
+        if not seats and self._fair_seat_taker() is not None:
+            self._preempt(self._victim(), output)
+            seats = 1
         # Requests whose adapter has no slot now: they wait, those behind them may board (lora.py).
         no_slot: list[Request] = []
         while len(self._waiting) > len(no_slot) and seats > 0 and self._budget_left(output) > 0:
@@ -256,6 +264,54 @@ class Scheduler(DraftingSteps):
             self._schedule_chunk(request, num_new, output)
             seats -= 1
             self._batch_left = max(0, self._batch_left - 1)
+
+    # -- fair share (--fairness tenant) ------------------------------------------
+    def _served_more(self, tenant: str, than: str) -> bool:
+        assert self.fairness is not None
+        return self.fairness.service(tenant) > self.fairness.service(than)
+
+    def _fair_seat_taker(self) -> Request | None:
+        """With every seat taken: the waiting request that boards next, if its tenant holds
+        fewer seats than its weighted share of them (seats x weight / the weights of the
+        tenants with work) and the most-served running tenant more than its own. That
+        tenant's latest request then gives up its seat (preempted; with the prefix cache its
+        full blocks stay cached, so it resumes with little to recompute): a light tenant's
+        request does not wait for one of a flood's to finish. Tenants at their shares
+        take no seats from each other, so two busy tenants do not thrash; one seat a step."""
+        fairness = self.fairness
+        if fairness is None or self.config.policy != "continuous" or not self._waiting or not self._running:
+            return None
+        head = self._next_to_board([])
+        victim = self._victim()
+        if head.num_pending_samples or not self._served_more(victim.tenant, head.tenant):
+            return None
+        seats = Counter(r.tenant for r in self._running)
+        active = set(seats) | {r.tenant for r in self._waiting}
+        total = sum(fairness.weight(t) for t in active)
+
+        def share(tenant: str) -> float:
+            return self.config.max_num_seqs * fairness.weight(tenant) / total
+
+        if seats[head.tenant] + 1 > share(head.tenant) or seats[victim.tenant] - 1 < share(victim.tenant):
+            return None
+        return head
+
+    def _fair_reserve(self) -> tuple[str, int] | None:
+        """The waiting request that boards next under fair share, as (its tenant, the
+        tokens of the step kept for its prompt: all of it, the whole step at most), where
+        it will have a seat; None without fairness or anyone waiting. Prompt chunks of
+        other tenants served as much or more (a tenant back from idle is lifted to the
+        least counter: a tie) leave it that much of the step's budget: boarding comes
+        after running requests' chunks, so a flood's long prompts would otherwise take
+        each step's whole budget while a light tenant's short one waits."""
+        if self.fairness is None or self.config.policy != "continuous" or not self._waiting:
+            return None
+        if len(self._running) >= self.config.max_num_seqs and self._fair_seat_taker() is None:
+            return None
+        head = self._next_to_board([])
+        if head.num_pending_samples:
+            return None
+        return head.tenant, min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
 
     def _next_to_board(self, skip: list[Request]) -> Request:
         """The waiting request that boards next, past those in ``skip``."""

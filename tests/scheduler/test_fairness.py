@@ -22,7 +22,7 @@ from jitney.scheduler.core import fairness as fairness_module
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.fairness import (MAX_TENANT_CHARS, OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT,
                                             TenantFairness, tenant_problem)
-from jitney.scheduler.core.request import Request
+from jitney.scheduler.core.request import Request, RequestStatus
 from jitney.scheduler.core.scheduler import Scheduler, SchedulerOutput
 from jitney.scheduler.main import SchedulerProcessConfig, tenant_weight
 from jitney.scheduler.security.tls import SecurityError, ServerSecurity, parse_api_keys
@@ -235,6 +235,70 @@ def test_preemption_takes_the_most_served_tenant_first(fairness: str, victim_ten
         preempted = output.preempted
     # off: the latest arrival (light); tenant: the most served (heavy), though it came first
     assert [r.tenant for r in preempted] == [victim_tenant]
+    run_until_idle(s, w)
+    for r in (heavy, light):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling.max_tokens)
+
+
+def test_a_light_tenant_takes_a_seat_from_a_flood_holding_them_all() -> None:
+    def first_light_step(fairness: str) -> tuple[int, list[str]]:
+        s, w = make(fairness, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True)
+        heavy = [request(i, "heavy", prompt=8, max_tokens=30, arrival=float(i)) for i in range(1, 7)]
+        for r in heavy:
+            s.add_request(r)
+        for _ in range(3):
+            drive_step(s, w)
+        assert s.num_running == 4
+        light = request(100, "light", prompt=6, max_tokens=4, arrival=10.0)
+        s.add_request(light)
+        steps, preempted = 0, []
+        while not light.output_token_ids:
+            output, _ = drive_step(s, w)
+            preempted += [r.tenant for r in output.preempted]
+            steps += 1
+        run_until_idle(s, w)
+        for r in heavy + [light]:
+            assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling.max_tokens)
+        return steps, preempted
+
+    # fair share: a heavy request gives up its seat at once; FCFS: the light one waits for a heavy to end
+    assert first_light_step("tenant") == (1, ["heavy"])
+    steps, preempted = first_light_step("off")
+    assert steps > 20 and preempted == []
+
+
+def test_tenants_at_their_seat_shares_take_no_seats_from_each_other() -> None:
+    s, w = make(max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True)
+    requests = [request(i, tenant, prompt=8, max_tokens=12, arrival=float(i))
+                for i in range(1, 41) for tenant in ["a" if i % 2 else "b"]]
+    for r in requests:
+        s.add_request(r)
+    steps = preemptions = 0
+    while s.has_work():
+        output, _ = drive_step(s, w)
+        steps += 1
+        preemptions += len(output.preempted)
+        waiting = {r.tenant for r in requests if r.status is RequestStatus.WAITING}
+        if waiting == {"a", "b"} and s.num_running == 4:     # both queued, seats full: neither holds all
+            held = Counter(r.tenant for r in requests if r.status is RequestStatus.RUNNING)
+            assert set(held) == {"a", "b"}, held
+    # a seat moves only when a finish tips the split to 3-1, never a step-by-step swap
+    assert preemptions <= len(requests) // 2 and steps > 4 * preemptions
+    for r in requests:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling.max_tokens)
+
+
+@pytest.mark.parametrize("fairness, light_tokens", [("tenant", 8), ("off", 0)])
+def test_a_flood_prompt_leaves_a_light_prompt_its_share_of_the_step(fairness: str, light_tokens: int) -> None:
+    s, w = make(fairness, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
+    heavy = request(1, "heavy", prompt=100, max_tokens=2, arrival=0.0)
+    s.add_request(heavy)
+    drive_step(s, w)                      # heavy's prompt is chunked: 16 of 100
+    light = request(2, "light", prompt=8, max_tokens=2, arrival=1.0)
+    s.add_request(light)
+    output, _ = drive_step(s, w)
+    got = {c.request.tenant: c.num_new_tokens for c in output.scheduled}
+    assert got.get("light", 0) == light_tokens and got["heavy"] == 16 - light_tokens
     run_until_idle(s, w)
     for r in (heavy, light):
         assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling.max_tokens)
