@@ -32,22 +32,12 @@ from tests.support.tiny_models import make_tiny_llama  # noqa: E402
 BLOCKS, ADAPTERS, PROMPT = 2048, 4, 8
 
 
-class _Driver(runner_driver.Driver):
-    """The test driver with more blocks, each new sequence's LoRA slot and the first plan's loads."""
+class _Driver(runner_driver.LoraDriver):
+    """The LoRA test driver with more blocks."""
 
     def __init__(self, runner: ModelRunner, slots: dict[int, int], loads: list[tuple[int, str, Path]]) -> None:
-        super().__init__(runner)
+        super().__init__(runner, slots, loads)
         self.free = list(range(BLOCKS - 1, -1, -1))
-        self.slots, self.loads = slots, loads
-
-    def plan(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepPlan:
-        plan = super().plan(budget, freed)
-        for new in plan.new_sequences:
-            new.lora_slot = self.slots.get(new.seq_id, 0)
-        for slot, name, path in self.loads:
-            plan.lora_loads.add(slot=slot, name=name, path=str(path))
-        self.loads = []
-        return plan
 
 
 def _step_ms(model: Path, adapters: list[Path], rows: int, lora: bool, mix: bool) -> float:

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from jitney.scheduler.core.block_manager import BlockManager, cdiv
 from jitney.scheduler.core.config import SchedulerConfig
 from jitney.scheduler.core.drafting import DraftingSteps
-from jitney.scheduler.core.fairness import TenantFairness, TenantReport
+from jitney.scheduler.core.fair_steps import FairSteps, queue_key
+from jitney.scheduler.core.fairness import TenantFairness
 from jitney.scheduler.core.lora import LoraSlots
 from jitney.scheduler.core.request import FinishReason, Request, RequestStatus
 from jitney.scheduler.core.schedule_output import ScheduledChunk, SchedulerOutput
@@ -50,17 +51,12 @@ from jitney.scheduler.core.step_cost import StepCostModel, chunk_keys
 PREFILL_SHARE = 0.25
 
 
-def _queue_key(request: Request) -> tuple[int, float, int]:
-    """Boarding order; the largest key among running is preempted first."""
-    return (-request.priority, request.arrival_time, request.seq_id)
-
-
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler(DraftingSteps):
+class Scheduler(DraftingSteps, FairSteps):
     """Continuous-batching scheduler owning the logical KV cache (its steps'
-    drafts: ``DraftingSteps``)."""
+    drafts: ``DraftingSteps``; fair share's choices: ``FairSteps``)."""
 
     def __init__(self, config: SchedulerConfig,
                  eos_token_ids: frozenset[int] = frozenset(), *,
@@ -71,7 +67,7 @@ class Scheduler(DraftingSteps):
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
                                           config.enable_prefix_caching, window=config.sliding_window)
         self._eos_token_ids = eos_token_ids
-        self._waiting: list[Request] = []       # sorted by _queue_key
+        self._waiting: list[Request] = []       # sorted by queue_key
         self._held: list[Request] = []          # n > 1 samples waiting for their parent's prompt
         self._running: list[Request] = []       # batch order (boarding order)
         self._requests: dict[int, Request] = {}  # waiting or running
@@ -114,7 +110,7 @@ class Scheduler(DraftingSteps):
         if request.parent is not None:
             self._held.append(request)
         else:
-            bisect.insort(self._waiting, request, key=_queue_key)
+            bisect.insort(self._waiting, request, key=queue_key)
 
     def abort_request(self, seq_id: int, reason: FinishReason) -> Request | None:
         """Finish a live request now and free its blocks; ``None`` if unknown."""
@@ -172,7 +168,7 @@ class Scheduler(DraftingSteps):
             parent = request.parent
             assert parent is not None
             if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
-                bisect.insort(self._waiting, request, key=_queue_key)
+                bisect.insort(self._waiting, request, key=queue_key)
             else:
                 self._held.append(request)
 
@@ -264,72 +260,6 @@ class Scheduler(DraftingSteps):
             self._schedule_chunk(request, num_new, output)
             seats -= 1
             self._batch_left = max(0, self._batch_left - 1)
-
-    # -- fair share (--fairness tenant) ------------------------------------------
-    def _served_more(self, tenant: str, than: str) -> bool:
-        assert self.fairness is not None
-        return self.fairness.service(tenant) > self.fairness.service(than)
-
-    def _fair_seat_taker(self) -> Request | None:
-        """With every seat taken: the waiting request that boards next, if its tenant holds
-        fewer seats than its weighted share of them (seats x weight / the weights of the
-        tenants with work) and the most-served running tenant more than its own. That
-        tenant's latest request then gives up its seat (preempted; with the prefix cache its
-        full blocks stay cached, so it resumes with little to recompute): a light tenant's
-        request does not wait for one of a flood's to finish. Tenants at their shares
-        take no seats from each other, so two busy tenants do not thrash; one seat a step."""
-        fairness = self.fairness
-        if fairness is None or self.config.policy != "continuous" or not self._waiting or not self._running:
-            return None
-        head = self._next_to_board([])
-        victim = self._victim()
-        if head.num_pending_samples or not self._served_more(victim.tenant, head.tenant):
-            return None
-        seats = Counter(r.tenant for r in self._running)
-        active = set(seats) | {r.tenant for r in self._waiting}
-        total = sum(fairness.weight(t) for t in active)
-
-        def share(tenant: str) -> float:
-            return self.config.max_num_seqs * fairness.weight(tenant) / total
-
-        if seats[head.tenant] + 1 > share(head.tenant) or seats[victim.tenant] - 1 < share(victim.tenant):
-            return None
-        return head
-
-    def _fair_reserve(self) -> tuple[str, int] | None:
-        """The waiting request that boards next under fair share, as (its tenant, the
-        tokens of the step kept for its prompt: all of it, the whole step at most), where
-        it will have a seat; None without fairness or anyone waiting. Prompt chunks of
-        other tenants served as much or more (a tenant back from idle is lifted to the
-        least counter: a tie) leave it that much of the step's budget: boarding comes
-        after running requests' chunks, so a flood's long prompts would otherwise take
-        each step's whole budget while a light tenant's short one waits."""
-        if self.fairness is None or self.config.policy != "continuous" or not self._waiting:
-            return None
-        if len(self._running) >= self.config.max_num_seqs and self._fair_seat_taker() is None:
-            return None
-        head = self._next_to_board([])
-        if head.num_pending_samples:
-            return None
-        return head.tenant, min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
-
-    def _next_to_board(self, skip: list[Request]) -> Request:
-        """The waiting request that boards next, past those in ``skip``."""
-        queue = [r for r in self._waiting if r not in skip] if skip else self._waiting
-        return queue[0 if self.fairness is None else self.fairness.pick(queue)]
-
-    def _victim(self) -> Request:
-        """The running request preempted first."""
-        if self.fairness is None:
-            return max(self._running, key=_queue_key)
-        fairness = self.fairness
-        return max(self._running, key=lambda r: (fairness.victim_key(r), _queue_key(r)))
-
-    def tenant_report(self) -> list[TenantReport]:
-        """Per tenant service and queue lengths (``--fairness tenant``; else empty)."""
-        if self.fairness is None:
-            return []
-        return self.fairness.report(self._waiting + self._held, self._running)
 
     def _board(self, request: Request, cached: list[int], shared: bool = False) -> None:
         """Seat a waiting request; it starts past its cached (or shared) prefix."""
@@ -451,7 +381,7 @@ class Scheduler(DraftingSteps):
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
-        bisect.insort(self._waiting, victim, key=_queue_key)
+        bisect.insort(self._waiting, victim, key=queue_key)
 
     def recover_from_failed_step(self, lost: Sequence[SchedulerOutput]) -> int:
         """The worker failed step ``lost[0]`` and discards the steps planned
@@ -583,7 +513,7 @@ class Scheduler(DraftingSteps):
         _check(not waiting_ids & running_ids, "a request is waiting and running")
         _check(waiting_ids | running_ids == set(self._requests), "lost a request")
         _check(len(self._running) <= self.config.max_num_seqs, "seats exceeded")
-        _check(self._waiting == sorted(self._waiting, key=_queue_key), "waiting out of order")
+        _check(self._waiting == sorted(self._waiting, key=queue_key), "waiting out of order")
         _check(all(r.status is RequestStatus.WAITING and not r.block_ids
                    for r in self._waiting + self._held), "a waiting request holds blocks")
         _check(all(r.parent is not None for r in self._held), "a held request has no parent")

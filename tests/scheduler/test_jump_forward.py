@@ -155,7 +155,8 @@ def test_a_request_reading_logprobs_samples_every_token(servers: tuple[Harness, 
     jump, step = servers
     with_logprobs, samples, forced = _ask(jump, tool_choice="required", logprobs=True)
     slow, slow_samples, _ = _ask(step, tool_choice="required", logprobs=True)
-    assert forced == 0 and samples == slow_samples
+    # (a pipelined step may sample once past the end, its token dropped: the counts may differ by that)
+    assert forced == 0 and abs(samples - slow_samples) <= 1 and samples >= with_logprobs.usage.completion_tokens
     assert _without_ids(with_logprobs) == _without_ids(slow)
     logprobs = with_logprobs.choices[0].logprobs
     assert logprobs is not None and len(logprobs.content or []) == with_logprobs.usage.completion_tokens

@@ -148,3 +148,21 @@ def _masked_step(runner: ModelRunner, driver: Driver) -> None:
     finally:
         runner.execute = execute  # type: ignore[method-assign]
     assert out[3] < 100
+
+
+class LoraDriver(Driver):
+    """The driver, with each new sequence's LoRA slot (absent: the base model) and the
+    first plan's adapter loads, (slot, name, folder)."""
+
+    def __init__(self, runner: ModelRunner, slots: dict[int, int], loads: list[tuple[int, str, Any]]) -> None:
+        super().__init__(runner)
+        self.slots, self.loads = slots, list(loads)
+
+    def plan(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepPlan:
+        plan = super().plan(budget, freed)
+        for new in plan.new_sequences:
+            new.lora_slot = self.slots.get(new.seq_id, 0)
+        for slot, name, path in self.loads:
+            plan.lora_loads.add(slot=slot, name=name, path=str(path))
+        self.loads = []
+        return plan

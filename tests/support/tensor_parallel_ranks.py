@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -47,7 +48,11 @@ def rank_main(rank: int, port: int, models: list[str], out: str) -> None:
         Path(out).write_text(json.dumps(results))
     group.close()
     # gloo's threads are gone once the group is closed, not at interpreter exit
-    # (where tearing them down could abort a rank after a clean shutdown)
+    # (where tearing them down could abort a rank after a clean shutdown); an exiting
+    # thread leaves /proc a moment after it was joined, longer on a loaded machine
+    deadline = time.monotonic() + 10
+    while native_threads() != threads and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert native_threads() == threads, (rank, threads, native_threads())
 
 

@@ -93,5 +93,5 @@ def compile_for_gpus(body: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _BUILD + body], env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=480)   # a hang guard: ~220 s of compiles on 2 loaded cores
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

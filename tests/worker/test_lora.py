@@ -14,30 +14,19 @@ from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.config import WorkerConfig
 from jitney.worker.models.llama import DecoderLayer
 from jitney.worker.runner.model_runner import ModelRunner
-from tests.support.runner_driver import BLOCK, NUM_BLOCKS, PROMPTS, Driver
+from tests.support.runner_driver import BLOCK, NUM_BLOCKS, PROMPTS, LoraDriver
 from tests.support.tiny_lora import ATTENTION, MLP, make_peft_adapter, peft_reference
 from tests.support.tiny_models import make_tiny_llama, make_tiny_phi3, make_tiny_qwen3
 
 STEPS = 6
 
 
-class LoraDriver(Driver):
-    """The runner driver, with each new sequence's slot and a first plan's loads;
-    records each sampled token's logprob (its logits' bits, in effect)."""
+class LoggingLoraDriver(LoraDriver):
+    """The LoRA driver recording each sampled token's logprob (its logits' bits, in effect)."""
 
     def __init__(self, runner: ModelRunner, slots: dict[int, int], loads: list[tuple[int, str, Path]]) -> None:
-        super().__init__(runner)
-        self.slots, self.loads = slots, list(loads)
+        super().__init__(runner, slots, loads)
         self.logprobs: dict[int, list[float]] = {}
-
-    def plan(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> pb.StepPlan:
-        plan = super().plan(budget, freed)
-        for new in plan.new_sequences:
-            new.lora_slot = self.slots.get(new.seq_id, 0)
-        for slot, name, path in self.loads:
-            plan.lora_loads.add(slot=slot, name=name, path=str(path))
-        self.loads = []
-        return plan
 
     def step(self, budget: dict[int, int], freed: tuple[int, ...] = ()) -> dict[int, int]:
         result = self.runner.execute(self.plan(budget, freed))
@@ -63,8 +52,8 @@ def _config(model: Path, dtype: str = "float32", max_loras: int = 3, rank: int =
 
 
 def _generate(runner: ModelRunner, sids: list[int], slots: dict[int, int], loads: list[tuple[int, str, Path]],
-              chunk: int = 64, steps: int = STEPS) -> LoraDriver:
-    driver = LoraDriver(runner, slots, loads)
+              chunk: int = 64, steps: int = STEPS) -> LoggingLoraDriver:
+    driver = LoggingLoraDriver(runner, slots, loads)
     for sid in sids:
         driver.add(sid, PROMPTS[sid])
     driver.generate(sids, steps, chunk=chunk)
