@@ -139,12 +139,20 @@ def _build(hf: Any) -> Any:
     hf_attention.register()
     try:
         with torch.device("meta"), no_init_weights():
-            return getattr(transformers, arch)._from_config(hf, attn_implementation=ATTENTION_KEY)
+            model = getattr(transformers, arch)._from_config(hf, attn_implementation=ATTENTION_KEY)
     except KeyError as err:    # (an attention class per implementation name, not the attention interface)
         raise UnsupportedModelError(f"{arch} picks its attention classes by name ({err}), not through "
                                     "transformers' attention interface") from err
     except (ValueError, TypeError, AttributeError, NotImplementedError) as err:
         raise UnsupportedModelError(f"transformers cannot build {arch} with Jitney's attention: {err}") from err
+    # Some such models swap the requested implementation for their own (Falcon's
+    # _check_and_enable_sdpa sets "sdpa" where transformers asks it to): built so, their
+    # layers would attend without the paged cache.
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != ATTENTION_KEY:
+        raise UnsupportedModelError(f"{arch} picks its attention classes by name (transformers built it with "
+                                    f"{implementation!r}), not through transformers' attention interface")
+    return model
 
 
 def _attention_layers(model: Any) -> list[int]:
