@@ -22,8 +22,6 @@ tokens equal and the log-probs within 1e-5.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,6 @@ from jitney.worker.models.config import UnsupportedModelError
 from jitney.worker.runner.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]   # the repository
 MAX_TOKENS = 8
 SHARED = tuple(range(100, 116))     # four whole blocks of 4: later prompts hit the prefix cache
 PROMPTS: list[tuple[int, ...]] = [
@@ -112,20 +109,6 @@ def test_unregistered_causal_lms_go_to_transformers_and_llama_stays_native(model
                 "num_hidden_layers": 2, "vocab_size": 320}, "attention classes by name"),
 ])
 def test_what_no_path_runs_is_refused_naming_the_architecture(kind: str, kwargs: dict[str, Any], said: str) -> None:
-    if kind == "falcon":
-        # In a fresh interpreter, as a worker builds its one model: in a pytest worker that had run
-        # other files first, transformers once built Falcon with Jitney's attention key (the state
-        # that let it was not found), so this case does not depend on what ran before it.
-        code = ("import sys; from transformers import AutoConfig\n"
-                "from jitney.worker.loading.loader import model_config_from_hf\n"
-                f"hf = AutoConfig.for_model({kind!r}, **{kwargs!r})\n"
-                "try:\n    model_config_from_hf(hf)\nexcept Exception as e:\n"
-                "    print(type(e).__name__, e); sys.exit(0)\nprint('built'); sys.exit(1)")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-        assert proc.stdout.startswith("UnsupportedModelError") and kwargs["architectures"][0] in proc.stdout
-        assert said in proc.stdout
-        return
     hf = hf_config(kind, **kwargs)
     with pytest.raises(UnsupportedModelError, match=kwargs["architectures"][0]) as caught:
         model_config_from_hf(hf)
