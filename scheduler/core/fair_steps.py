@@ -66,9 +66,13 @@ class FairSteps:
         each step's whole budget while a light tenant's short one waits."""
         if self.fairness is None or self.config.policy != "continuous" or not self._waiting:
             return None
-        if len(self._running) >= self.config.max_num_seqs and self._fair_seat_taker() is None:
-            return None
-        head = self._next_to_board([])
+        if len(self._running) >= self.config.max_num_seqs:
+            taker = self._fair_seat_taker()
+            if taker is None:
+                return None
+            head = taker
+        else:
+            head = self._next_to_board([])
         if head.num_pending_samples:
             return None
         return head.tenant, min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
