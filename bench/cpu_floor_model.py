@@ -97,14 +97,19 @@ def workload_bytes(cfg: ModelConfig, items: Iterable[WorkItem], dtype_bytes: int
             "kv_per_token": kv_per_token, "kv": kv_per_token * keys, "total": weights * steps + kv_per_token * keys}
 
 
+def weight_bytes_split(cfg: ModelConfig, kind: str = "bf16") -> tuple[int, int]:
+    """Bytes of the layers' linear weights and of the head's: bf16 two a weight; int8 one a
+    weight and a float32 scale an output channel (``cpu_kernels.Int8Linear``; the head is int8 too)."""
+    if kind not in ("bf16", "int8"):
+        raise ValueError(f"unknown weight kind {kind!r}")
+    sizes = {name: (2 * k * n if kind == "bf16" else k * n + 4 * n) * uses for name, k, n, uses in linear_shapes(cfg)}
+    head = sizes.pop("lm_head")
+    return sum(sizes.values()), head
+
+
 def weight_bytes(cfg: ModelConfig, kind: str = "bf16") -> int:
-    """Bytes of every linear weight a decode step reads (the layers' and the head's): bf16 two a
-    weight; int8 one a weight and a float32 scale an output channel (``cpu_kernels.Int8Linear``)."""
-    if kind == "bf16":
-        return 2 * weight_count(cfg)
-    if kind == "int8":
-        return sum((k * n + 4 * n) * uses for _, k, n, uses in linear_shapes(cfg))
-    raise ValueError(f"unknown weight kind {kind!r}")
+    """Bytes of every linear weight a decode step reads (the layers' and the head's), ``weight_bytes_split``."""
+    return sum(weight_bytes_split(cfg, kind))
 
 
 PROMPT_GROUP = "with prompt work"
@@ -114,9 +119,10 @@ DECODE_GROUPS: tuple[tuple[str, int], ...] = (("decode, 32+ sequences", 32), ("d
 
 
 def step_floors(cfg: ModelConfig, steps: Iterable[dict[str, Any]], peak_gflops: float,
-                rate_gbs: float) -> dict[str, Any]:
+                rate_gbs: float, weight_kind: str = "bf16") -> dict[str, Any]:
     """Each step of a run's trace (``jitney serve --trace``) against its own floor: the larger of
-    its FLOPs at ``peak_gflops`` and its bytes at ``rate_gbs``, with bf16 weights.
+    its FLOPs at ``peak_gflops`` and its bytes at ``rate_gbs``, with ``weight_kind`` weights
+    (``weight_bytes_split``; the K/V cache is bf16 either way).
 
     A step's FLOPs: 2 x the layers' weights per token computed, 2 x the head's per sampled row
     (``samples``), 4 x heads x head_dim x layers per query-key pair (``attended_keys``). Its bytes:
@@ -136,6 +142,7 @@ def step_floors(cfg: ModelConfig, steps: Iterable[dict[str, Any]], peak_gflops: 
     (``PROMPT_GROUP``), and the decode-only steps by their number of sequences (``DECODE_GROUPS``)."""
     layer_params = weight_count(cfg, head=False)
     head_params = cfg.hidden_size * cfg.vocab_size
+    layer_bytes, head_bytes = weight_bytes_split(cfg, weight_kind)
     attention = attention_flops_per_key(cfg)
     kv_per_token = kv_bytes_per_token(cfg)
     flop_s, byte_s = 1 / (peak_gflops * 1e9), 1 / (rate_gbs * 1e9)
@@ -146,9 +153,9 @@ def step_floors(cfg: ModelConfig, steps: Iterable[dict[str, Any]], peak_gflops: 
         if not step["seats"]:
             continue
         tokens = step["prefill_tokens"] + step["decode_tokens"]
-        # (FLOPs, bytes) of each phase: bf16 weights, two bytes each; no head where nothing samples
-        phases = [(2 * layer_params * tokens, 2 * layer_params),
-                  (2 * head_params * step["samples"], 2 * head_params if step["samples"] else 0),
+        # (FLOPs, bytes) of each phase; no head where nothing samples
+        phases = [(2 * layer_params * tokens, layer_bytes),
+                  (2 * head_params * step["samples"], head_bytes if step["samples"] else 0),
                   (attention * step["attended_keys"], kv_per_token * step["context_tokens"])]
         flops_s = sum(f for f, _ in phases) * flop_s
         bytes_s = sum(b for _, b in phases) * byte_s

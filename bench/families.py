@@ -17,6 +17,10 @@ time (batch-1 TPOT).
                   vocab 262144, windows of 512 in five layers of six)
     qwen3-moe-4l  Qwen3-30B-A3B cut to 4 of its 48 layers (hidden 2048, 32 q / 4 KV heads of
                   128, 128 experts of 768, 8 per token, vocab 151936)
+    llama-3.2-1b  Llama-3.2-1B's shape, whole (hidden 2048, 16 layers, 32 q / 8 KV heads of 64,
+                  MLP 8192, vocab 128256, tied); bench/real_shapes.py's
+    qwen3-4b      Qwen3-4B's shape, whole (hidden 2560, 36 layers, 32 q / 8 KV heads of 128,
+                  MLP 9728, vocab 151936, tied); bench/real_shapes.py's
 
 Each dense pair's ratio (qwen3-0.6b / llama-0.6b, gemma3-1b / llama-1b-gemma-dims) is the per-FLOP and per-weight-byte cost of Qwen3's family
 against Llama's (the same work but the norms); the MoE case reports its batch-1
@@ -58,6 +62,16 @@ GEMMA3_1B: dict[str, Any] = {"hidden_size": 1152, "num_hidden_layers": 26, "num_
                              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "bos_token_id": 1,
                              "eos_token_id": 2, "pad_token_id": 0}
 
+# bench/real_shapes.py's two real-size dense shapes, whole (rope scaling left out: it changes no cost)
+LLAMA32_1B: dict[str, Any] = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
+                              "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+                              "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
+QWEN3_4B: dict[str, Any] = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+                            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
+                            "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+                            "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}
+
 
 def make_model(case: str, path: Path) -> Path:
     import torch
@@ -82,9 +96,17 @@ def make_model(case: str, path: Path) -> Path:
     elif case == "qwen3-0.6b":
         config = transformers.Qwen3Config(**QWEN3_06B, rope_parameters=rope)
         cls = transformers.Qwen3ForCausalLM
-    else:
+    elif case == "llama-3.2-1b":
+        config = transformers.LlamaConfig(**LLAMA32_1B, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        cls = transformers.LlamaForCausalLM
+    elif case == "qwen3-4b":
+        config = transformers.Qwen3Config(**QWEN3_4B, rope_parameters=rope)
+        cls = transformers.Qwen3ForCausalLM
+    elif case == "qwen3-moe-4l":
         config = transformers.Qwen3MoeConfig(**QWEN3_MOE, rope_parameters=rope)
         cls = transformers.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(f"unknown case {case!r}")
     with torch.device("meta"):
         model = cls(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)

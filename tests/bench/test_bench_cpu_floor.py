@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -235,3 +236,50 @@ def test_llama_server_client_against_a_fake(tmp_path: Path) -> None:
     assert (summary["requests"], summary["errors"], summary["output_tokens"]) == (2, 0, 8)
     assert summary["tpot_s"]["p50"] > 0 and summary["ttft_s"]["p50"] >= 0
     assert summary["flags"] == ["llama-server", "-m", "m.gguf", "-np", "2", "-c", "2048", "-t", "1"]
+
+
+def test_step_floors_with_int8_weights() -> None:
+    # int8: the layers' 240 weights + 4 bytes for each of their 2 x 28 output channels = 464 bytes, the head's
+    # 40 + 4 x 10 = 80. A decode at position 3 reads 464 + 80 + 64 = 608 bytes; at 0.25 GB/s: 2432 ns (bytes-bound:
+    # its 688 FLOPs take 688 ns), where bf16's 624 bytes take 2496.
+    from bench.cpu_floor_model import weight_bytes_split
+
+    assert weight_bytes_split(TINY, "int8") == (464, 80) and weight_bytes_split(TINY, "bf16") == (480, 80)
+    step = [{"seats": [1], "prefill_tokens": 0, "decode_tokens": 1, "samples": 1, "context_tokens": 4,
+             "attended_keys": 4, "model_s": 1e-6}]
+    assert step_floors(TINY, step, 1.0, 0.25, "int8")["floor_s"] == pytest.approx(2432e-9)
+    assert step_floors(TINY, step, 1.0, 0.25)["floor_s"] == pytest.approx(2496e-9)
+    with pytest.raises(ValueError, match="unknown weight kind"):
+        step_floors(TINY, step, 1.0, 0.25, "fp8")
+
+
+def test_real_shapes_stream_floor_and_phases() -> None:
+    # bench/real_shapes.py's one-stream floor and its phase report, on made-up outcomes and steps.
+    from bench.real_shapes import phase_report, stream_floor_s
+    from jitney.client.bench import Outcome
+
+    # Prompt 3, 3 tokens: decodes at 4 and 5 keys read 560 + 16 x 4 and 560 + 16 x 5 bytes: 632 ns mean at 1 GB/s.
+    item = WorkItem("a", 0.0, [5, 6, 7], 3)
+    assert stream_floor_s(TINY, "bf16", item, 1.0) == pytest.approx(632e-9)
+    assert stream_floor_s(TINY, "int8", item, 1.0) == pytest.approx(632e-9 - 16e-9)
+
+    def done(it: WorkItem, times: list[float]) -> Outcome:
+        return Outcome(it, token_times=times, num_tokens=len(times))
+
+    a, b = WorkItem("a", 0.0, [5] * 9, 11), WorkItem("b", 0.0, [6] * 9, 11)
+    ten = [0.1 * k for k in range(11)]                        # TPOT 100 ms
+    phases = {"batch-1": {"outcomes": [done(a, ten)], "wall_s": 2.0, "steps": []},
+              "batch-2": {"outcomes": [done(a, ten)], "wall_s": 1.0, "steps": []},
+              "stream": {"outcomes": [done(a, ten), done(b, [0.2 * k for k in range(11)])], "wall_s": 3.0,
+                         "steps": []},
+              "after-idle": {"outcomes": [done(a, [0.15 * k for k in range(11)])], "wall_s": 1.5, "steps": []},
+              "after-idle-next": {"outcomes": [done(b, ten)], "wall_s": 1.0, "steps": []}}
+    got = phase_report(TINY, "bf16", {"phases": phases}, 1.0, 1.0)
+    assert got["batch16"]["walls_s"] == [2.0, 1.0] and got["batch16"]["median_s"] == 1.5
+    assert got["batch16"]["spread"] == pytest.approx(1 / 1.5, abs=1e-3)
+    assert got["idle_tpot_ratio"] == 1.5                       # against the same request's stream TPOT, 100 ms
+    stream = [s for s in got["streams"] if s["phase"] == "stream"]
+    assert [s["tpot_ms"] for s in stream] == [100.0, 200.0]
+    ratios = [0.1 / stream_floor_s(TINY, "bf16", a, 1.0), 0.2 / stream_floor_s(TINY, "bf16", b, 1.0)]
+    assert [s["over_floor"] for s in stream] == pytest.approx(ratios, rel=1e-3)
+    assert got["stream_over_floor_median"] == pytest.approx(statistics.median(ratios), rel=1e-3)
