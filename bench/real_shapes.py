@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cpu_floor_measure import measure_bandwidth, measure_shapes, peak  # noqa: E402
+from bench.cpu_floor_measure import _best_seconds, measure_bandwidth, measure_shapes, peak  # noqa: E402
 from bench.cpu_floor_model import (kv_bytes_per_token, linear_shapes, model_config, step_floors,  # noqa: E402
                                    weight_bytes, weight_bytes_split, workload_flops)
 from bench.families import make_model  # noqa: E402
@@ -178,16 +178,6 @@ def decode_series(runner: Any, batch: int, context: int, steps: int, first_seq: 
     return out
 
 
-def _best(fn: Any, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: int, reps: int) -> dict[int, Any]:
     """Seconds of a decode step's parts on their own at each batch (the best of ``reps``): each
     linear shape over every layer's own weights, the head, and attention over ``batch`` sequences
@@ -212,8 +202,8 @@ def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: i
             per: dict[str, float] = {}
             for name, k, _, _ in shapes[:-1]:
                 mods = [dict(layer)[name] for layer in layers]
-                per[name] = _best(lambda: [m(xs[k]) for m in mods], reps)
-            per["lm_head"] = _best(lambda: head(xs[hk]), reps)
+                per[name] = _best_seconds(lambda: [m(xs[k]) for m in mods], reps)
+            per["lm_head"] = _best_seconds(lambda: head(xs[hk]), reps)
             per_seq = -(-(context + 1) // block)
             caches = [to_kernel_layout(
                 torch.randn(batch * per_seq, block, cfg.num_kv_heads, cfg.head_dim).bfloat16(),
@@ -224,7 +214,7 @@ def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: i
                 block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)],
                 block_size=block, device=torch.device("cpu")))
             query = torch.randn(batch, cfg.num_heads, cfg.head_dim).bfloat16()
-            per["attention"] = _best(lambda: [attention.attend(query, kc, vc, meta, cfg.head_dim ** -0.5)
+            per["attention"] = _best_seconds(lambda: [attention.attend(query, kc, vc, meta, cfg.head_dim ** -0.5)
                                               for kc, vc in caches], reps)
             out[batch] = per
             del caches
