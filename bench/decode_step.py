@@ -61,27 +61,35 @@ class EmulatedGraphs(DecodeGraphs):
         return logits, greedy_packed(logits)
 
 
-def measure(runner: ModelRunner, batch: int, context: int, reps: int) -> tuple[float, float]:
-    """Median (model seconds, execute seconds) of ``reps`` decode steps of ``batch`` sequences."""
-    blocks = -(-(context + reps + 8) // 16)
+def decode_series(runner: ModelRunner, batch: int, context: int, steps: int,
+                  first_seq: int = 1) -> list[tuple[float, float]]:
+    """(model seconds, execute seconds) of each of ``steps`` decode steps of ``batch`` new
+    sequences (ids from ``first_seq``) prefilled with ``context`` tokens first and freed after."""
+    blocks = -(-(context + steps + 8) // runner.limits.block_size)
+    seqs = list(range(first_seq, first_seq + batch))
     plan = e.StepPlan(step_id=1)
-    for i in range(batch):
-        plan.new_sequences.add(seq_id=i + 1, sampling=e.SamplingConfig(seed=1))
-        plan.chunks.add(seq_id=i + 1, start_position=0, token_ids=[100 + j for j in range(context)],
+    for i, seq in enumerate(seqs):
+        plan.new_sequences.add(seq_id=seq, sampling=e.SamplingConfig(seed=1))
+        plan.chunks.add(seq_id=seq, start_position=0, token_ids=[100 + j for j in range(context)],
                         new_block_ids=list(range(i * blocks, (i + 1) * blocks)), sample=True)
     runner.execute(plan)
-    model, total = [], []
-    for k in range(reps + 2):
+    out = []
+    for k in range(steps):
         step = e.StepPlan(step_id=2 + k)
-        for i in range(batch):
-            step.chunks.add(seq_id=i + 1, start_position=context + k, last_token_from_sample=True, sample=True)
+        for seq in seqs:
+            step.chunks.add(seq_id=seq, start_position=context + k, last_token_from_sample=True, sample=True)
         started = time.perf_counter()
         result = runner.execute(step)
-        if k >= 2:   # warm-up
-            total.append(time.perf_counter() - started)
-            model.append(result.model_seconds)
-    runner.execute(e.StepPlan(step_id=100, freed_seq_ids=list(range(1, batch + 1))))
-    return statistics.median(model), statistics.median(total)
+        out.append((result.model_seconds, time.perf_counter() - started))
+    runner.execute(e.StepPlan(step_id=2 + steps, freed_seq_ids=seqs))
+    return out
+
+
+def measure(runner: ModelRunner, batch: int, context: int, reps: int) -> tuple[float, float]:
+    """Median (model seconds, execute seconds) of ``reps`` decode steps of ``batch`` sequences,
+    after two warm-up steps."""
+    timed = decode_series(runner, batch, context, reps + 2)[2:]
+    return statistics.median(m for m, _ in timed), statistics.median(t for _, t in timed)
 
 
 def measure_prefill(runner: ModelRunner, tokens: int, reps: int) -> tuple[float, float]:

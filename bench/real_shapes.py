@@ -74,9 +74,8 @@ def stream_floor_s(cfg: ModelConfig, kind: str, item: WorkItem, rate_gbs: float)
     """A one-stream request's TPOT floor: its decode steps' mean of (the weights' bytes + the
     K/V of the keys before the fed token) at ``rate_gbs``; decode j feeds position P + j - 1."""
     prompt, m = len(item.prompt_token_ids), item.max_tokens
-    kv = kv_bytes_per_token(cfg)
-    steps = [weight_bytes(cfg, kind) + kv * (prompt + j) for j in range(1, m)]
-    return statistics.fmean(steps) / (rate_gbs * 1e9)
+    weights, kv = weight_bytes(cfg, kind), kv_bytes_per_token(cfg)
+    return statistics.fmean(weights + kv * (prompt + j) for j in range(1, m)) / (rate_gbs * 1e9)
 
 
 # ---------------------------------------------------------------- serving
@@ -125,11 +124,11 @@ def phase_report(cfg: ModelConfig, kind: str, got: dict[str, Any], peak_gflops: 
     phases = got["phases"]
     batch = [p for name, p in phases.items() if name.startswith("batch-")]
     walls = [p["wall_s"] for p in batch]
+    tpots = [summarize(p["outcomes"], p["wall_s"])["tpot_s"] for p in batch]
     report: dict[str, Any] = {
         "batch16": {"walls_s": [round(w, 3) for w in walls], "median_s": round(statistics.median(walls), 3),
                     "spread": round((max(walls) - min(walls)) / statistics.median(walls), 3),
-                    "tpot_p50_ms": [_ms(summarize(p["outcomes"], p["wall_s"])["tpot_s"]["p50"]) for p in batch],
-                    "tpot_p99_ms": [_ms(summarize(p["outcomes"], p["wall_s"])["tpot_s"]["p99"]) for p in batch]}}
+                    "tpot_p50_ms": [_ms(t["p50"]) for t in tpots], "tpot_p99_ms": [_ms(t["p99"]) for t in tpots]}}
     streams = []
     for name in ("stream", "after-idle", "after-idle-next"):
         for o in phases[name]["outcomes"]:
@@ -152,32 +151,6 @@ def phase_report(cfg: ModelConfig, kind: str, got: dict[str, Any], peak_gflops: 
 
 # ---------------------------------------------------------------- the breakdown
 
-def decode_series(runner: Any, batch: int, context: int, steps: int, first_seq: int) -> list[tuple[float, float]]:
-    """(model s, execute s) of each of ``steps`` decode steps of ``batch`` new sequences of
-    ``context`` tokens (prefilled first, freed after), none left out."""
-    from jitney.engine.v1 import engine_pb2 as e
-
-    size = runner.limits.block_size
-    blocks = -(-(context + steps + 1) // size)
-    seqs = list(range(first_seq, first_seq + batch))
-    plan = e.StepPlan(step_id=first_seq * 1000)
-    for i, seq in enumerate(seqs):
-        plan.new_sequences.add(seq_id=seq, sampling=e.SamplingConfig(seed=1))
-        plan.chunks.add(seq_id=seq, start_position=0, token_ids=[100 + j for j in range(context)],
-                        new_block_ids=list(range(i * blocks, (i + 1) * blocks)), sample=True)
-    runner.execute(plan)
-    out = []
-    for k in range(steps):
-        step = e.StepPlan(step_id=first_seq * 1000 + 1 + k)
-        for seq in seqs:
-            step.chunks.add(seq_id=seq, start_position=context + k, last_token_from_sample=True, sample=True)
-        started = time.perf_counter()
-        result = runner.execute(step)
-        out.append((result.model_seconds, time.perf_counter() - started))
-    runner.execute(e.StepPlan(step_id=first_seq * 1000 + steps + 1, freed_seq_ids=seqs))
-    return out
-
-
 def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: int, reps: int) -> dict[int, Any]:
     """Seconds of a decode step's parts on their own at each batch (the best of ``reps``): each
     linear shape over every layer's own weights, the head, and attention over ``batch`` sequences
@@ -189,8 +162,8 @@ def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: i
 
     make = InvariantLinear if kind == "bf16" else Int8Linear
     shapes = linear_shapes(cfg)
-    layers = [[(name, make(torch.empty(n, k, dtype=torch.bfloat16).normal_(0, 0.02), None))
-               for name, k, n, _ in shapes[:-1]] for _ in range(cfg.num_layers)]
+    layers = [{name: make(torch.empty(n, k, dtype=torch.bfloat16).normal_(0, 0.02), None)
+               for name, k, n, _ in shapes[:-1]} for _ in range(cfg.num_layers)]
     _, hk, hn, _ = shapes[-1]
     head = make(torch.empty(hn, hk, dtype=torch.bfloat16).normal_(0, 0.02), None, out_float=True)
     attention = InvariantCpuAttention()
@@ -201,7 +174,7 @@ def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: i
             xs = {k: torch.randn(batch, k).bfloat16() for _, k, _, _ in shapes}
             per: dict[str, float] = {}
             for name, k, _, _ in shapes[:-1]:
-                mods = [dict(layer)[name] for layer in layers]
+                mods = [layer[name] for layer in layers]
                 per[name] = _best_seconds(lambda: [m(xs[k]) for m in mods], reps)
             per["lm_head"] = _best_seconds(lambda: head(xs[hk]), reps)
             per_seq = -(-(context + 1) // block)
@@ -221,8 +194,10 @@ def part_times(cfg: ModelConfig, kind: str, batches: tuple[int, ...], context: i
     return out
 
 
-def breakdown(model: Path, cfg: ModelConfig, kind: str, ns: argparse.Namespace, rate_gbs: float) -> dict[str, Any]:
-    from bench.decode_step import make_runner
+def breakdown(model: Path, cfg: ModelConfig, kind: str, ns: argparse.Namespace) -> dict[str, Any]:
+    """The worker's decode step at 1 and ``BATCH`` sequences, one sequence's before and after the
+    idle gap, and the step's parts on their own (``part_times``); ms. ``part_floors`` adds the floors."""
+    from bench.decode_step import decode_series, make_runner
 
     runner = make_runner("auto", model=str(model), quantization="none" if kind == "bf16" else kind)
     steps: dict[str, Any] = {}
@@ -243,23 +218,28 @@ def breakdown(model: Path, cfg: ModelConfig, kind: str, ns: argparse.Namespace, 
     del runner
     gc.collect()
     parts = part_times(cfg, kind, (1, BATCH), ns.context, ns.part_reps)
-    layer_bytes, head_bytes = weight_bytes_split(cfg, kind)
-    kv = kv_bytes_per_token(cfg)
     rows = {}
     for batch, per in parts.items():
-        linears = sum(v for name, v in per.items() if name not in ("lm_head", "attention"))
+        by_shape = {name: v for name, v in per.items() if name not in ("lm_head", "attention")}
+        linears = sum(by_shape.values())
         model_s = steps[str(batch)]["model_ms"] / 1000
         rows[str(batch)] = {
             **steps[str(batch)],
-            "linears_ms": _ms(linears), "linears_floor_ms": _ms(layer_bytes / (rate_gbs * 1e9)),
-            "by_shape_ms": {name: _ms(v) for name, v in per.items() if name not in ("lm_head", "attention")},
-            "head_ms": _ms(per["lm_head"]), "head_floor_ms": _ms(head_bytes / (rate_gbs * 1e9)),
-            "attention_ms": _ms(per["attention"]),
-            "attention_floor_ms": _ms(kv * batch * (ns.context + 1) / (rate_gbs * 1e9)),
+            "linears_ms": _ms(linears), "by_shape_ms": {name: _ms(v) for name, v in by_shape.items()},
+            "head_ms": _ms(per["lm_head"]), "attention_ms": _ms(per["attention"]),
             "rest_ms": _ms(model_s - linears - per["lm_head"] - per["attention"]),
             "host_ms": round(steps[str(batch)]["execute_ms"] - steps[str(batch)]["model_ms"], 2),
         }
     return {"context": ns.context, "batches": rows, "idle_in_process": idle}
+
+
+def part_floors(cfg: ModelConfig, kind: str, batch: int, context: int, rate_gbs: float) -> dict[str, float]:
+    """The decode step's parts' floors, ms: their bytes at ``rate_gbs`` (the layers' and the head's
+    weights, ``batch`` sequences' K/V of ``context`` + 1 keys)."""
+    layer_bytes, head_bytes = weight_bytes_split(cfg, kind)
+    kv = kv_bytes_per_token(cfg) * batch * (context + 1)
+    return {"linears_floor_ms": _ms(layer_bytes / (rate_gbs * 1e9)), "head_floor_ms": _ms(head_bytes / (rate_gbs * 1e9)),
+            "attention_floor_ms": _ms(kv / (rate_gbs * 1e9))}
 
 
 # ---------------------------------------------------------------- report
@@ -362,7 +342,7 @@ def main() -> int:
                     gots[kind] = serve_phases(path, kind, items, ns, scratch)
                     res["kinds"][kind] = {}
                     if not ns.no_breakdown:
-                        res["kinds"][kind]["breakdown"] = breakdown(path, cfg, kind, ns, max(rates))
+                        res["kinds"][kind]["breakdown"] = breakdown(path, cfg, kind, ns)
                 except Exception as err:  # noqa: BLE001 - reported, the other cases go on
                     failed = True
                     res["kinds"][kind] = {"error": f"{type(err).__name__}: {str(err)[-600:]}"}
@@ -372,9 +352,8 @@ def main() -> int:
             for kind, got in gots.items():   # the floors at the run's best rate
                 res["kinds"][kind]["serving"] = phase_report(cfg, kind, got, pk["peak_gflops"], max(rates))
                 if "breakdown" in res["kinds"][kind]:   # its floors at the same rate
-                    for row in res["kinds"][kind]["breakdown"]["batches"].values():
-                        for key in ("linears_floor_ms", "head_floor_ms", "attention_floor_ms"):
-                            row[key] = round(row[key] * rates[0] / max(rates), 2)
+                    for batch, row in res["kinds"][kind]["breakdown"]["batches"].items():
+                        row.update(part_floors(cfg, kind, int(batch), ns.context, max(rates)))
             results["models"][name] = res
             print(render({"models": {name: res}}), flush=True)
             if ns.json:
