@@ -30,7 +30,7 @@ from jitney.worker.attention.backend import (  # noqa: E402
     AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-CASES = {"prefill 512": ([512], [512]), "decode 1 x 200": ([1], [200]),
+CASES = {"prefill 512": ([512], [512]), "prefill 512 at 3000": ([512], [3000]), "decode 1 x 200": ([1], [200]),
          "decode 64 x 200": ([1] * 64, [200] * 64), "decode 64 x 400": ([1] * 64, [400] * 64)}
 
 

@@ -272,12 +272,15 @@ def test_paged_attention_rejects_bad_metadata() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_layout_holds_each_kv_head_of_a_block_in_one_run(dtype: torch.dtype) -> None:
-    """K (blocks, kvh, d / P, bs, P) with P = 4 bytes / element size, V (blocks, kvh, bs, d):
+    """K (blocks, kvh, d / P, bs, P) with P = 4 bytes / element size, V (blocks, kvh, bs / P, d, P):
     what the invariant backend allocates and what its write_kv writes."""
     geometry = CacheGeometry(num_layers=1, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     pack = 2 if dtype == torch.bfloat16 else 1
-    assert InvariantCpuAttention().block_shapes(geometry) == ((2, 8 // pack, 4, pack), (2, 4, 8))
+    assert InvariantCpuAttention().block_shapes(geometry) == ((2, 8 // pack, 4, pack), (2, 4 // pack, 8, pack))
     assert TorchPagedAttention().block_shapes(geometry) == ((4, 2, 8), (4, 2, 8))
+    if pack == 2:   # V's lanes pair keys: a bfloat16 cache's blocks hold whole pairs
+        with pytest.raises(ValueError, match="block size 5 is not a multiple of 2"):
+            InvariantCpuAttention().block_shapes(replace(geometry, block_size=5))
     cache = PagedKVCache(geometry, 5, CPU, InvariantCpuAttention().block_shapes(geometry))
     k, v = cache.layer(0)
     key, value = torch.randn(3, 2, 8).to(dtype), torch.randn(3, 2, 8).to(dtype)
@@ -286,7 +289,7 @@ def test_the_kernel_layout_holds_each_kv_head_of_a_block_in_one_run(dtype: torch
     InvariantCpuAttention().write_kv(key, value, k, v, replace(meta, slot_mapping=slots))
     for t, (block, j) in enumerate([(2, 1), (0, 0), (4, 3)]):
         for h in range(2):
-            assert torch.equal(v[block, h, j], value[t, h])
+            assert torch.equal(v[block, h, j // pack, :, j % pack], value[t, h])
             for i in range(8):
                 assert torch.equal(k[block, h, i // pack, j, i % pack], key[t, h, i])
     token_k, token_v = torch.zeros(5, 4, 2, 8, dtype=dtype), torch.zeros(5, 4, 2, 8, dtype=dtype)
@@ -295,9 +298,9 @@ def test_the_kernel_layout_holds_each_kv_head_of_a_block_in_one_run(dtype: torch
     # A negative slot (a padding token) stores nothing, as rope_and_cache's.
     before = (k.clone(), v.clone())
     InvariantCpuAttention().write_kv(key * 2, value * 2, k, v, replace(meta, slot_mapping=torch.tensor([-1, 5, -1])))
-    assert torch.equal(v[1, 0, 1], value[1, 0] * 2)
-    changed = (v != before[1]).any(dim=-1)
-    assert changed.sum() == 2 and bool(changed[1, :, 1].all())   # block 1 token 1, both heads: nothing else
+    assert torch.equal(v[1, 0, 1 // pack, :, 1 % pack], value[1, 0] * 2)
+    changed = (v != before[1]).any(dim=-2)   # (block, head, row pair, lane)
+    assert changed.sum() == 2 and bool(changed[1, :, 1 // pack, 1 % pack].all())   # block 1 token 1, both heads
     changed_k = (k != before[0]).nonzero()   # (block, head, pair row, token, lane) of every changed value
     assert len(changed_k) > 0 and set(changed_k[:, 0].tolist()) == {1} and set(changed_k[:, 3].tolist()) == {1}
 

@@ -28,7 +28,7 @@ import torch
 from tests.support.invariance_driver import torch_threads
 from tests.support.tiny_models import make_tiny_llama, make_tiny_qwen2
 from jitney.worker.attention.backend import (AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention,
-                                     to_kernel_layout)
+                                     from_kernel_layout, to_kernel_layout)
 from jitney.worker.layers.ops import InvariantCpuLayerOps, TorchLayerOps, rms_norm_torch
 from jitney.worker.layers.rotary import rope_inv_freq
 
@@ -107,13 +107,6 @@ def rope_problem(dtype: torch.dtype, heads: tuple[int, int, int], rows: int, blo
     k_cache = torch.randn(num_blocks, block, kvh, d, generator=gen).to(dtype)
     return {"qkv": qkv, "positions": positions, "slots": slots, "k_cache": k_cache,
             "v_cache": torch.randn(k_cache.shape, generator=gen).to(dtype)}
-
-
-def from_kernel_layout(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU kernel's cache layout back to token-major (num_blocks, block_size, kvh, d)."""
-    n, kvh, per_pair, bs, pack = k.shape
-    return (k.permute(0, 3, 1, 2, 4).reshape(n, bs, kvh, per_pair * pack).contiguous(),
-            v.permute(0, 2, 1, 3).contiguous())
 
 
 def run_rope(ops: TorchLayerOps, p: dict[str, Any], heads: tuple[int, int, int], dtype: torch.dtype,

@@ -460,16 +460,20 @@ def kernel_pack(dtype: torch.dtype) -> int:
 
 def kernel_block_shapes(geometry: CacheGeometry) -> BlockShapes:
     """The CPU kernel's layout (``csrc/kv_layout.h``): K ``(kvh, d / P, block_size, P)``,
-    V ``(kvh, block_size, d)``, P = 4 bytes / element size (2 for bfloat16, 1 for float32).
+    V ``(kvh, block_size / P, d, P)``, P = 4 bytes / element size (2 for bfloat16, 1 for float32).
 
-    Each kv head of a block is one contiguous run in both, and K holds its keys
-    in the 32-bit lanes the scores are computed in: no transpose when read.
+    Each kv head of a block is one contiguous run in both. K holds its keys in
+    the 32-bit lanes the scores are computed in, V pairs of keys in the lanes
+    the weighted sum of values reads (the tile unit's B operand as it lies):
+    neither is transposed when read.
     """
     bs, kvh, d = geometry.block_size, geometry.num_kv_heads, geometry.head_dim
     pack = kernel_pack(geometry.dtype)
     if d % pack:
         raise ValueError(f"head_dim {d} is not a multiple of {pack} (the CPU kernel's K layout)")
-    return (kvh, d // pack, bs, pack), (kvh, bs, d)
+    if bs % pack:
+        raise ValueError(f"block size {bs} is not a multiple of {pack} (the CPU kernel's {geometry.dtype} V layout)")
+    return (kvh, d // pack, bs, pack), (kvh, bs // pack, d, pack)
 
 
 def to_kernel_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,7 +481,15 @@ def to_kernel_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torc
     n, bs, kvh, d = k_cache.shape
     pack = kernel_pack(k_cache.dtype)
     k = k_cache.reshape(n, bs, kvh, d // pack, pack).permute(0, 2, 3, 1, 4).contiguous()
-    return k, v_cache.permute(0, 2, 1, 3).contiguous()
+    v = v_cache.reshape(n, bs // pack, pack, kvh, d).permute(0, 3, 1, 4, 2).contiguous()
+    return k, v
+
+
+def from_kernel_layout(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernel's caches back to token-major ``(num_blocks, block_size, kvh, d)``."""
+    n, kvh, per_pair, bs, pack = k.shape
+    return (k.permute(0, 3, 1, 2, 4).reshape(n, bs, kvh, per_pair * pack).contiguous(),
+            v.permute(0, 2, 4, 1, 3).reshape(n, bs, kvh, per_pair * pack).contiguous())
 
 
 class InvariantCpuAttention(AttentionBackend):
@@ -510,7 +522,7 @@ class InvariantCpuAttention(AttentionBackend):
             slots, key, value = slots[stored], key[stored], value[stored]
         blocks, offsets = slots // bs, slots % bs
         k_cache[blocks, :, :, offsets] = key.reshape(-1, kvh, per_pair, pack)
-        v_cache[blocks, :, offsets] = value
+        v_cache[blocks, :, offsets // pack, :, offsets % pack] = value
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Cut the block tables to the step's widest context, as int64, once per step."""

@@ -220,7 +220,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       const int64_t in_block = std::min(bs, last_pos + 1 - blk * bs);
       for (int64_t j = 0; j < in_block; ++j) {  // K transposed (d, bs), V (bs, d), float32
         for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = to_float(kb[((i / P) * bs + j) * P + i % P]);
-        for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vb[j * d + i]);
+        for (int64_t i = 0; i < d; ++i) vf[j * d + i] = to_float(vb[((j / P) * d + i) * P + j % P]);
       }
       update([&](int64_t rows, int64_t row, int64_t j0, int64_t n) {
         block_update_rows<BS, D>(rows, qf.data() + row * d, kt.data(), vf.data(), acc.data() + row * d,
@@ -308,7 +308,7 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
               "block tables, lengths and starts must be int64");
-  AttentionShape s{query.size(1), v_cache.size(1), query.size(2), v_cache.size(2), block_tables.size(1),
+  AttentionShape s{query.size(1), v_cache.size(1), query.size(2), jitney_cpu::cache_block_size(k_cache), block_tables.size(1),
                    static_cast<float>(scale), 0, 0.0f, nullptr};
   if (window) {
     TORCH_CHECK(*window >= 1, "window must be at least 1, got ", *window);
@@ -330,7 +330,7 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
       TORCH_CHECK(!std::isnan(s.sinks[h]) && s.sinks[h] != std::numeric_limits<float>::infinity(),
                   "sinks must be finite or -inf, got ", s.sinks[h], " for head ", h);
   }
-  TORCH_CHECK(v_cache.size(3) == s.head_dim, "head_dim differs between query and caches");
+  TORCH_CHECK(jitney_cpu::cache_head_dim(k_cache) == s.head_dim, "head_dim differs between query and caches");
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.block_size <= kMaxBlock && s.head_dim <= kMaxHeadDim, "block size above ", kMaxBlock,
               " or head_dim above ", kMaxHeadDim, " is not supported by the CPU kernel");

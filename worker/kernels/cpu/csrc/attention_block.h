@@ -214,15 +214,16 @@ struct FloatBlock {
 template <int64_t D>
 struct Bf16Block {
   const at::BFloat16* kp;  // (D / 2, 16, 2): 32-bit lane j of row p = key j's dims 2p (low), 2p + 1 (high)
-  const at::BFloat16* vp;  // (16, D)
-  __m512 k(int64_t i) const {
-    const __m512i pair = _mm512_loadu_si512(kp + (i / 2) * 32);
-    return _mm512_castsi512_ps(i % 2 == 0 ? _mm512_slli_epi32(pair, 16)
-                                          : _mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-  }
-  __m512 v(int64_t j, int64_t c) const {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + j * D + c));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  const at::BFloat16* vp;  // (8, D, 2): 32-bit lane c of row p = column c of keys 2p (low), 2p + 1 (high)
+  __m512 k(int64_t i) const { return widen(kp + (i / 2) * 32, i % 2); }
+  __m512 v(int64_t j, int64_t c) const { return widen(vp + (j / 2) * 2 * D + 2 * c, j % 2); }
+
+ private:
+  // The low (half 0) or high halves of 16 bfloat16 pairs, as float32.
+  static __m512 widen(const at::BFloat16* pairs, int64_t half) {
+    const __m512i pair = _mm512_loadu_si512(pairs);
+    return _mm512_castsi512_ps(half == 0 ? _mm512_slli_epi32(pair, 16)
+                                         : _mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
   }
 };
 

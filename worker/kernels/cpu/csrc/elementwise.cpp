@@ -138,18 +138,21 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
   // A token's K is d / P four-byte stores a head, each in its own cache line (the
   // layout's lanes are keys): ask for token t + kRopeAhead's lines, for writing,
   // before token t's stores, or each store waits on its line's read from memory.
-  // Where slot `slot`'s kv head h lies: K's lane p at k_lane(slot, h) + p * bs * P, V's row at v_row(slot, h).
+  // Where slot `slot`'s kv head h lies: K's lane p at k_lane(slot, h) + p * bs * P, V's column c at
+  // v_lane(slot, h) + c * P (its row pair's d * P values).
   const auto k_lane = [&](int64_t slot, int64_t h) {
     return k_cache + ((slot / bs * kvh + h) * bs * d + slot % bs * P);
   };
-  const auto v_row = [&](int64_t slot, int64_t h) { return v_cache + ((slot / bs * kvh + h) * bs + slot % bs) * d; };
+  const auto v_lane = [&](int64_t slot, int64_t h) {
+    return v_cache + ((slot / bs * kvh + h) * bs * d + slot % bs / P * d * P + slot % bs % P);
+  };
   const auto prefetch_slot = [&](int64_t slot) {
     if (slot < 0) return;
     for (int64_t h = 0; h < kvh; ++h) {
       const T* kl = k_lane(slot, h);
       for (int64_t p = 0; p < d / P; ++p) __builtin_prefetch(kl + p * bs * P, 1, 3);
-      const char* vr = reinterpret_cast<const char*>(v_row(slot, h));
-      for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vr + off, 1, 3);
+      const char* vr = reinterpret_cast<const char*>(v_lane(slot, h));
+      for (int64_t off = 0; off < d * P * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vr + off, 1, 3);
     }
   };
   at::parallel_for(0, rows, kRopeGrain, [&](int64_t r0, int64_t r1) {
@@ -168,7 +171,9 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
         T* kl = k_lane(slot, h);
         for (int64_t p = 0; p < d / P; ++p)  // one 32-bit lane a row
           std::memcpy(kl + p * bs * P, k.data() + h * d + p * P, P * sizeof(T));
-        std::memcpy(v_row(slot, h), row + (nh + kvh + h) * d, d * sizeof(T));
+        T* vl = v_lane(slot, h);
+        const T* value = row + (nh + kvh + h) * d;
+        for (int64_t c = 0; c < d; ++c) vl[c * P] = value[c];
       }
     }
   });
@@ -288,13 +293,13 @@ at::Tensor rope_and_cache_op(const at::Tensor& qkv, const at::Tensor& cos, const
                   v_cache.scalar_type() == dtype,
               "rope_and_cache: cos, sin and the caches must be ", dtype);
   jitney_cpu::check_cache_layout(k_cache, v_cache, "rope_and_cache");
-  TORCH_CHECK(v_cache.size(1) == kvh && v_cache.size(3) == d, "rope_and_cache: the caches must hold ", kvh,
+  TORCH_CHECK(v_cache.size(1) == kvh && jitney_cpu::cache_head_dim(k_cache) == d, "rope_and_cache: the caches must hold ", kvh,
               " kv heads of ", d, " dims, got V ", v_cache.sizes());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong,
               "rope_and_cache: slot_mapping must be (", rows, ",) int64, got ", slot_mapping.sizes(), " ",
               slot_mapping.scalar_type());
   at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous(), slots = slot_mapping.contiguous();
-  const int64_t bs = v_cache.size(2), capacity = v_cache.size(0) * bs;
+  const int64_t bs = jitney_cpu::cache_block_size(k_cache), capacity = v_cache.size(0) * bs;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t) {
     TORCH_CHECK(sp[t] < capacity, "rope_and_cache: slot ", sp[t], " of token ", t, " is past the cache's ",
