@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""CPU paged attention: the batch-invariant kernel against gather + SDPA.
+"""CPU paged attention: the batch-invariant kernel, in each form this CPU has, against gather + SDPA.
 
     .venv/bin/python bench/cpu_attention.py [--reps 10] [--layers 30 --scattered] [--threads 1] [--no-sdpa]
 
 The default model's attention shape (9 query heads, 3 KV heads, head_dim 64,
 16-token blocks, bf16) on a 512-token prefill and on decode steps of 1 and
-64 sequences. Both backends attend the same queries over the same paged
+64 sequences. The kernel runs in every form the CPU has (amx, avx512;
+the server runs attention_kernel()'s); the backends attend the same queries over the same paged
 cache; milliseconds per call (one layer), mean of ``--reps`` after a warm-up.
 
 ``--layers N``: N distinct caches, one call on each per rep (as a step's
@@ -20,6 +21,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jitney.worker.attention.backend import (  # noqa: E402
-    AttentionBackend, AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout)
+    AttentionMetadata, TorchPagedAttention, to_kernel_layout)
+from jitney.worker.kernels.cpu import ops as cpu_kernels  # noqa: E402
+
+FORMS = ["avx512", "amx"]  # the kernel's forms worth timing, slowest first (portable: the scalar loops)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = {"prefill 512": ([512], [512]), "prefill 512 at 3000": ([512], [3000]), "decode 1 x 200": ([1], [200]),
@@ -62,25 +67,36 @@ def main() -> int:
     # The same values in each backend's own cache layout.
     kernel_caches = [to_kernel_layout(k_cache, v_cache) for k_cache, v_cache in caches]
 
-    def per_call(backend: AttentionBackend, query: torch.Tensor, meta: AttentionMetadata) -> float:
-        meta = backend.prepare(meta)
-        own = kernel_caches if isinstance(backend, InvariantCpuAttention) else caches
+    def per_call(attend: Callable[[torch.Tensor, torch.Tensor], object], own: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> float:
         for k_cache, v_cache in own:
-            backend.attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+            attend(k_cache, v_cache)
         started = time.perf_counter()
         for _ in range(args.reps):
             for k_cache, v_cache in own:
-                backend.attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+                attend(k_cache, v_cache)
         return (time.perf_counter() - started) / (len(own) * args.reps) * 1000
 
+    have = cpu_kernels.attention_kernel()
+    forms = FORMS[:FORMS.index(have) + 1] if have in FORMS else ["portable"]
     print(f"{torch.get_num_threads()} threads, {args.layers} distinct caches, "
-          f"{'scattered' if args.scattered else 'consecutive'} blocks")
-    print("| case | invariant kernel ms | gather + SDPA ms |\n|---|---|---|")
+          f"{'scattered' if args.scattered else 'consecutive'} blocks; the server's form: {have}")
+    print("| case | " + " | ".join(f"kernel ({form}) ms" for form in forms) + " | gather + SDPA ms |")
+    print("|---|" + "---|" * (len(forms) + 1))
     for name, (query_lens, seq_lens) in CASES.items():
         meta = case_metadata(query_lens, seq_lens, order)
         query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).bfloat16()
-        sdpa = "–" if args.no_sdpa else f"{per_call(TorchPagedAttention(), query, meta):.2f}"
-        print(f"| {name} | {per_call(InvariantCpuAttention(), query, meta):.2f} | {sdpa} |", flush=True)
+        cells = []
+        for form in forms:
+            cells.append(per_call(lambda k, v, form=form: cpu_kernels.paged_attention(
+                query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc, HEAD_DIM ** -0.5, form),
+                kernel_caches))
+        if args.no_sdpa:
+            sdpa = "–"
+        else:
+            torch_meta = TorchPagedAttention().prepare(meta)
+            sdpa = f"{per_call(lambda k, v: TorchPagedAttention().attend(query, k, v, torch_meta, HEAD_DIM ** -0.5), caches):.2f}"
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {sdpa} |", flush=True)
     return 0
 
 

@@ -196,7 +196,7 @@ def attention(builds: list[Any], refs: list[str], rounds: int) -> None:
 
         def call(ops: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
             return ops.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, head_dim ** -0.5, False)
+                                       meta.query_start_loc, head_dim ** -0.5)
 
         def layer_pass(ops: Any) -> None:
             for k_cache, v_cache in caches:

@@ -188,9 +188,9 @@ def test_the_avx512_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: 
     meta = case.meta()
     args = (case.query, *to_kernel_layout(case.k_cache, case.v_cache), meta.block_tables, meta.seq_lens,
             meta.query_start_loc, scale_of(heads[2]))
-    fast = cpu_kernels.paged_attention(*args, **feats)
+    fast = cpu_kernels.paged_attention(*args, "avx512", **feats)
     assert bool(torch.isfinite(fast).all())
-    assert torch.equal(fast, cpu_kernels.paged_attention(*args, portable=True, **feats))
+    assert torch.equal(fast, cpu_kernels.paged_attention(*args, "portable", **feats))
 
 
 @pytest.mark.parametrize("poison", ["nan_block", "past_the_cache"])
@@ -225,8 +225,7 @@ def test_features_off_keep_the_plain_bits(backend: str, dtype: torch.dtype) -> N
     if backend == "invariant":
         meta = case.meta()
         old = torch.ops.jitney_cpu.paged_attention(case.query, *to_kernel_layout(case.k_cache, case.v_cache),
-                                                   meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125,
-                                                   False)
+                                                   meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
         assert torch.equal(old, plain)
         assert torch.equal(attend_case(cls(), case, 0.125, window=max(SEQ_LENS)), plain)
         assert torch.equal(attend_case(cls(), case, 0.125, sinks=torch.full((9,), float("-inf"))), plain)

@@ -227,30 +227,71 @@ def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, h
     query, k, v, meta, _ = paged_problem(dtype, heads, 16, seq_lens, query_lens, seed=5)
     args = (query, *to_kernel_layout(k, v), meta.block_tables, meta.seq_lens, meta.query_start_loc)
     for scale in (heads[2] ** -0.5, 0.1234):
-        fast = cpu_kernels.paged_attention(*args, scale)
+        fast = cpu_kernels.paged_attention(*args, scale, "avx512")
         assert bool(torch.isfinite(fast).all())
-        assert torch.equal(fast, cpu_kernels.paged_attention(*args, scale, portable=True)), scale
+        assert torch.equal(fast, cpu_kernels.paged_attention(*args, scale, "portable")), scale
+
+
+def attention_kernels(dtype: torch.dtype) -> list[str]:
+    """Every form paged_attention can run ``dtype`` in on this CPU (amx: bfloat16 only)."""
+    forms = ["portable", "avx512", "amx"]
+    have = forms[:forms.index(cpu_kernels.attention_kernel()) + 1]
+    return [k for k in have if k != "amx" or dtype == torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 2, 16)])
 def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     """From 4 decodes a thread, a decode's kv heads are one work item (a step of a few
-    decodes keeps one item a head): the bits do not change with it, on the AVX-512 form
-    and the scalar loops, with 1 and 2 threads, beside a prefill chunk."""
+    decodes keeps one item a head): the bits do not change with it, in every form the
+    CPU has, with 1 and 2 threads, beside a prefill chunk."""
     seq_lens = [1, 16, 17, 200, 33, 100, 31, 64, 5, 130, 48, 49, 90, 2, 77, 150, 120]
     query_lens = [1] * 16 + [30]
     query, k, v, meta, tables = paged_problem(dtype, heads, 16, seq_lens, query_lens, seed=11)
     kernel_k, kernel_v = to_kernel_layout(k, v)
-    for threads in (1, 2):
-        with torch_threads(threads):
-            together = invariant_attend(query, k, v, meta)
-            args = (query, kernel_k, kernel_v, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-            assert torch.equal(cpu_kernels.paged_attention(*args, heads[2] ** -0.5, portable=True), together)
-            for i in range(16):   # each decode alone: one item a kv head
-                alone = AttentionMetadata.build(query_lens=[1], seq_lens=[seq_lens[i]], block_tables=[tables[i]],
-                                                block_size=16, device=CPU)
-                assert torch.equal(invariant_attend(query[i:i + 1], k, v, alone)[0], together[i]), (threads, i)
+    scale = heads[2] ** -0.5
+    for kernel in attention_kernels(dtype):
+        for threads in (1, 2):
+            with torch_threads(threads):
+                args = (query, kernel_k, kernel_v, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+                together = cpu_kernels.paged_attention(*args, scale, kernel)
+                for i in range(16):   # each decode alone: one item a kv head
+                    alone = AttentionMetadata.build(query_lens=[1], seq_lens=[seq_lens[i]], block_tables=[tables[i]],
+                                                    block_size=16, device=CPU)
+                    got = cpu_kernels.paged_attention(query[i:i + 1], kernel_k, kernel_v, alone.block_tables,
+                                                      alone.seq_lens, alone.query_start_loc, scale, kernel)
+                    assert torch.equal(got[0], together[i]), (kernel, threads, i)
+
+
+def test_bf16_attention_runs_in_the_fastest_form_the_cpu_has() -> None:
+    """No silent fallback: the tile unit's form where the CPU has AMX-BF16, else AVX-512
+    registers, else the scalar loops; the server's default is it. The tile form rounds
+    the softmax's weights to bfloat16 before the values (its own bits): within a
+    bfloat16 rounding of the scalar loops' answer, partial blocks and NaN in unowned
+    slots included; a form the CPU lacks is refused."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    kernel = cpu_kernels.attention_kernel()
+    expected = "amx" if "amx_bf16" in flags and "avx512_bf16" in flags else "avx512" if "avx512f" in flags else "portable"
+    assert kernel == expected, f"bf16 attention runs in {kernel} on a CPU with {expected}"
+    for heads in [(9, 3, 64), (8, 2, 128)]:
+        seq_lens, query_lens = [1, 16, 17, 200, 33, 100, 31], [1, 16, 1, 1, 33, 40, 20]
+        query, k, v, meta, _ = paged_problem(torch.bfloat16, heads, 16, seq_lens, query_lens, seed=5)
+        args = (query, *to_kernel_layout(k, v), meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                heads[2] ** -0.5)
+        plain = cpu_kernels.paged_attention(*args, "portable")
+        for form in attention_kernels(torch.bfloat16):
+            got = cpu_kernels.paged_attention(*args, form)
+            assert bool(torch.isfinite(got).all()), form
+            torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
+    missing = [form for form in ("avx512", "amx") if form not in attention_kernels(torch.bfloat16)]
+    for form in missing:
+        with pytest.raises(RuntimeError, match=f"the {form} attention kernel needs"):
+            cpu_kernels.paged_attention(*args, form)
+    with pytest.raises(RuntimeError, match="takes bfloat16"):
+        cpu_kernels.paged_attention(query.float(), *to_kernel_layout(k.float(), v.float()), meta.block_tables,
+                                    meta.seq_lens, meta.query_start_loc, 0.125, "amx")
+    with pytest.raises(RuntimeError, match="must be auto, amx, avx512 or portable"):
+        cpu_kernels.paged_attention(*args, "fast")
 
 
 def test_paged_attention_rejects_bad_metadata() -> None:

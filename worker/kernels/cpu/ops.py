@@ -155,14 +155,19 @@ def load() -> None:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, portable: bool = False, *, window: int | None = None,
+                    scale: float, kernel: str = "auto", *, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query (T, nh, d)`` over the paged caches -> ``(T, nh, d)``.
 
     Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
-    ``portable``: only the scalar loops (the AVX-512 form of 16-token blocks must
-    give the same bits; the tests compare them).
+    ``kernel``: the form every row of the call runs in. ``auto`` (what the server
+    runs): ``attention_kernel()`` for bfloat16, ``avx512`` for float32. ``amx``: the
+    tile unit's (bfloat16 16-token blocks, head_dim 64 or 128); ``avx512``: 16-token
+    blocks with head_dim a multiple of 64 in AVX-512 registers, the scalar loops' bits;
+    ``portable``: the scalar loops only. Shapes a form does not cover run as under the
+    next one; a form this CPU lacks raises ``RuntimeError``. Each form's bits depend
+    only on a row's own inputs; ``amx``'s differ from the other two's.
     ``window``: a query at position p sees keys ``[p - window + 1, p]``; the blocks
     wholly before the window of a sequence's first query are not read, nor their
     block-table entries. ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)``.
@@ -171,8 +176,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     load()
     out: torch.Tensor = torch.ops.jitney_cpu.paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, portable, window, softcap, sinks)
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kernel, window, softcap, sinks)
     return out
+
+
+def attention_kernel() -> str:
+    """The form ``paged_attention`` runs bfloat16 in here by default: ``amx`` (AMX-BF16),
+    ``avx512`` or ``portable`` (a CPU without AVX-512)."""
+    load()
+    return str(torch.ops.jitney_cpu.attention_kernel())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,15 @@
 // its sequence's cache blocks, its position), never on how many rows share the
 // call, where the row sits in it or how the rows are split among threads.
 //
-// 16-token blocks with head_dim a multiple of 64 run the same operations in
-// AVX-512 registers (portable=True: the scalar loops; tests compare the
-// bits), and the next blocks of a sequence are prefetched while one computes:
-// blocks lie anywhere in the cache, out of the hardware's sight (the block
-// three on is asked for a few lines at a time among the work: SpreadPrefetch).
+// A call runs in one of three forms (kernel="auto" takes the fastest the CPU
+// has): "amx", bfloat16 16-token blocks of head_dim 64 or 128 on the tile unit
+// (attention_amx.h: its own arithmetic, the same for every row); "avx512",
+// 16-token blocks with head_dim a multiple of 64 running the scalar loops'
+// operations in AVX-512 registers (tests compare the bits; other shapes take
+// the loops); "portable", the scalar loops only. In every form the next blocks
+// of a sequence are prefetched while one computes: blocks lie anywhere in the
+// cache, out of the hardware's sight (asked for a few lines at a time among
+// the work, where a burst would stall it: SpreadPrefetch, StepPrefetch).
 // The cache has this kernel's own layout (kv_layout.h): each kv head of a
 // block one contiguous run, K with its keys in 32-bit lanes, so it is read
 // untransposed.
@@ -33,7 +37,10 @@
 #include <immintrin.h>  // the prefetches, and the AVX-512 paths (#if __AVX512F__)
 #endif
 
+#include "amx.h"
+#include "attention_amx.h"
 #include "attention_block.h"
+#include "attention_rows.h"
 #include "convert.h"
 #include "kv_layout.h"
 #include "ops.h"
@@ -42,7 +49,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -52,42 +61,62 @@ using jitney_cpu::from_float;  // convert.h
 using jitney_cpu::to_float;
 using jitney_cpu::check_cache_layout;  // kv_layout.h
 using jitney_cpu::kPack;
-using namespace jitney_cpu::attention;  // attention_block.h
-
-struct AttentionShape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
-  float scale;
-  int64_t window;        // keys a token sees, itself included; 0: all before it
-  float softcap;         // 0: none
-  const float* sinks;    // (num_heads,) or null
-};
+using jitney_cpu::exp_nonpositive;  // exp.h
+#if defined(__AVX512F__)
+using jitney_cpu::exp_nonpositive16;
+#endif
+using namespace jitney_cpu::attention;  // attention_block.h, attention_rows.h, attention_amx.h
 
 // How far ahead a sequence's blocks are prefetched: the next one into L1, the
 // two after it into L2 (a layer's blocks lie scattered in the cache, where
 // the hardware's prefetcher cannot guess them).
 constexpr int64_t kBlocksAhead = 3;
 
-// The first key a token at position pos sees.
-inline int64_t first_key(int64_t pos, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+// Asks for the blocks after blk of kv head h (kBlocksAhead; block blk + 3 enters the
+// window here, the first block asks for all three): the next into L1, the others into
+// L2. A head at a time spreads the requests over the block's work, rather than all of
+// an item's heads in one burst. Past the item's last block, the thread's next item's
+// first blocks (same head offset). spread: the farthest block is returned for the
+// caller to ask for among its work (SpreadPrefetch), not asked for here.
+template <typename scalar_t>
+inline SpreadPrefetch prefetch_ahead(const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                                     int64_t blk, int64_t first, int64_t blocks, int64_t h, int64_t h0,
+                                     const AttentionShape& s, const NextItem& after, bool spread) {
+  SpreadPrefetch later;
+#if defined(__x86_64__)
+  const int64_t run = s.block_size * s.head_dim;
+  for (int64_t ahead = blk == first ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
+    int64_t next;
+    if (blk + ahead < blocks) {
+      next = (table[blk + ahead] * s.num_kv_heads + h) * run;
+    } else if (blk + ahead - blocks < after.blocks && h - h0 < after.heads) {
+      next = (after.table[blk + ahead - blocks] * s.num_kv_heads + after.h0 + (h - h0)) * run;
+    } else {
+      break;
+    }
+    const char* kp = reinterpret_cast<const char*>(k_cache + next);
+    const char* vp = reinterpret_cast<const char*>(v_cache + next);
+    const int64_t bytes = run * static_cast<int64_t>(sizeof(scalar_t));
+    if (spread && ahead == kBlocksAhead) {
+      later = SpreadPrefetch{kp, vp, bytes / 64};
+      break;
+    }
+    for (int64_t off = 0; off < bytes; off += 64) {
+      if (ahead == 1) {
+        _mm_prefetch(kp + off, _MM_HINT_T0);
+        _mm_prefetch(vp + off, _MM_HINT_T0);
+      } else {
+        _mm_prefetch(kp + off, _MM_HINT_T1);
+        _mm_prefetch(vp + off, _MM_HINT_T1);
+      }
+    }
+  }
+#else
+  (void)k_cache, (void)v_cache, (void)table, (void)blk, (void)first, (void)blocks, (void)h, (void)h0, (void)s,
+      (void)after, (void)spread;
+#endif
+  return later;
 }
-
-// The blocks [first, end) of its sequence that tokens [t0, t1) at positions pos0.. see: from the
-// first token's window to the last token's position.
-struct BlockRange {
-  int64_t first, end;
-};
-inline BlockRange blocks_seen(int64_t t0, int64_t t1, int64_t pos0, int64_t bs, int64_t window) {
-  return {first_key(pos0, window) / bs, (pos0 + (t1 - t0) - 1) / bs + 1};
-}
-
-// The item a thread runs after this one (its first blocks are prefetched while
-// this one's last blocks compute): its sequence's table from its first block
-// read, how many blocks it reads, its first kv head. blocks = 0: none.
-struct NextItem {
-  const int64_t* table = nullptr;
-  int64_t blocks = 0, h0 = 0, heads = 0;
-};
 
 // Query rows: the tokens [t0, t1) of one sequence, for the kv heads [h0, h1).
 // Token t sits at position pos0 + (t - t0) and attends keys [first_key, position];
@@ -143,42 +172,13 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t cut = s.window > 0 ? std::min(t1, std::max(whole, t0 + blk * bs + s.window - pos0)) : t1;
     const int64_t past = s.window > 0 ? std::min(t1, std::max(cut, t0 + (blk + 1) * bs + s.window - 1 - pos0)) : t1;
     for (int64_t h = h0; h < h1; ++h) {
-      constexpr bool kRegisters = BS == 16 && D > 0 && D % 64 == 0;  // the AVX-512 form below
-      [[maybe_unused]] SpreadPrefetch spread;
-#if defined(__x86_64__)
-      // The next blocks lie elsewhere in the cache: ask for this head's part of them now
-      // (kBlocksAhead; block blk + 3 enters the window here, the first block asks for all
-      // three). A head at a time spreads the requests over the block's work, rather
-      // than all of an item's heads in one burst.
-      // Past this item's last block, the thread's next item's first blocks (same head offset).
-      for (int64_t ahead = blk == range.first ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead) {
-        int64_t next;
-        if (blk + ahead < blocks) {
-          next = (table[blk + ahead] * s.num_kv_heads + h) * run;
-        } else if (blk + ahead - blocks < after.blocks && h - h0 < after.heads) {
-          next = (after.table[blk + ahead - blocks] * s.num_kv_heads + after.h0 + (h - h0)) * run;
-        } else {
-          break;
-        }
-        const char* kp = reinterpret_cast<const char*>(k_cache + next);
-        const char* vp = reinterpret_cast<const char*>(v_cache + next);
 #if defined(__AVX512F__)
-        if (kRegisters && ahead == kBlocksAhead) {
-          spread = SpreadPrefetch{kp, vp, run * static_cast<int64_t>(sizeof(scalar_t)) / 64};
-          break;
-        }
+      constexpr bool kRegisters = BS == 16 && D > 0 && D % 64 == 0;  // the AVX-512 form below
+#else
+      constexpr bool kRegisters = false;
 #endif
-        for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
-          if (ahead == 1) {
-            _mm_prefetch(kp + off, _MM_HINT_T0);
-            _mm_prefetch(vp + off, _MM_HINT_T0);
-          } else {
-            _mm_prefetch(kp + off, _MM_HINT_T1);
-            _mm_prefetch(vp + off, _MM_HINT_T1);
-          }
-        }
-      }
-#endif
+      [[maybe_unused]] SpreadPrefetch spread =
+          prefetch_ahead(k_cache, v_cache, table, blk, range.first, blocks, h, h0, s, after, kRegisters);
       const int64_t base = (table[blk] * s.num_kv_heads + h) * run;
       const scalar_t* kb = k_cache + base;
       const scalar_t* vb = v_cache + base;
@@ -241,16 +241,69 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   }
 }
 
+
 constexpr int64_t kQueryTile = 16;  // query tokens sharing one pass over the cache
 constexpr int64_t kGroupHeadsPerThread = 4;  // decodes per thread from which a decode's heads are one item
 
 // A work item: the kv heads [h0, h1) of a tile of up to kQueryTile query tokens of one sequence.
 struct Item { int64_t seq, t0, t1, pos0, h0, h1; };
 
+// The forms a call's rows run in (one for all of them): the tile unit's, the
+// AVX-512 registers' (attend_tile's own bits: 16-token blocks, head_dim a multiple
+// of 64; other shapes its scalar loops), or the scalar loops only.
+enum class Form { kAmx, kAvx512, kPortable };
+
+bool amx_usable() {
+#if defined(JITNEY_AMX_BF16) && defined(__AVX512BF16__)
+  return jitney_cpu::amx_ready();
+#else
+  return false;
+#endif
+}
+
+bool avx512_usable() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+const char* form_name(Form f) {
+  switch (f) {
+    case Form::kAmx: return "amx";
+    case Form::kAvx512: return "avx512";
+    default: return "portable";
+  }
+}
+
+// "auto": the tile unit's form for bfloat16 where the CPU has it, else the AVX-512 one,
+// else the scalar loops. A named form the CPU lacks, or amx for float32, is refused.
+Form pick_form(const std::string& kernel, bool bf16) {
+  Form f;
+  if (kernel == "auto") {
+    f = bf16 && amx_usable() ? Form::kAmx : avx512_usable() ? Form::kAvx512 : Form::kPortable;
+  } else if (kernel == "amx") {
+    TORCH_CHECK(bf16, "the amx attention kernel takes bfloat16, not float32");
+    f = Form::kAmx;
+  } else if (kernel == "avx512") {
+    f = Form::kAvx512;
+  } else {
+    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512 or portable, got \"", kernel, "\"");
+    f = Form::kPortable;
+  }
+  TORCH_CHECK(f != Form::kAmx || amx_usable(), "the amx attention kernel needs AMX-BF16, which this CPU ",
+              "(or this build, or the kernel's grant of the tile state) does not have");
+  TORCH_CHECK(f != Form::kAvx512 || avx512_usable(), "the avx512 attention kernel needs AVX-512, which this build lacks");
+  return f;
+}
+
 template <typename scalar_t>
 void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
-                  scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, bool portable) {
+                  scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, Form form) {
   const int64_t count = static_cast<int64_t>(items.size());
+  [[maybe_unused]] const bool tiles =
+      form == Form::kAmx && s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
   // Items are handed out one at a time as threads come free (long and short ones
   // balance), each thread claiming its next item when it starts one, so that it can
   // prefetch that item's first blocks. Which thread runs an item does not change its
@@ -258,6 +311,9 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
+#if defined(JITNEY_AMX_BF16) && defined(__AVX512BF16__)
+    AttentionTiles tile_state;  // configured by the first group, released at the region's end
+#endif
     int64_t w = claimed.fetch_add(1);
     while (w < count) {
       const int64_t following = claimed.fetch_add(1);
@@ -269,14 +325,26 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
         const BlockRange range = blocks_seen(nx.t0, nx.t1, nx.pos0, s.block_size, s.window);
         after = {tables + nx.seq * s.table_width + range.first, range.end - range.first, nx.h0, nx.h1 - nx.h0};
       }
-      if (portable) {  // the runtime-sized scalar loops only (tests compare the paths' bits)
-        attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
-      } else if (s.block_size == 16 && s.head_dim == 64) {
+#if defined(JITNEY_AMX_BF16) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        if (tiles) {
+          if (s.head_dim == 64) {
+            attend_tile_amx<64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after, tile_state);
+          } else {
+            attend_tile_amx<128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after,
+                                 tile_state);
+          }
+          w = following;
+          continue;
+        }
+      }
+#endif
+      if (form != Form::kPortable && s.block_size == 16 && s.head_dim == 64) {
         attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
-      } else if (s.block_size == 16 && s.head_dim == 128) {
+      } else if (form != Form::kPortable && s.block_size == 16 && s.head_dim == 128) {
         attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s,
                                        after);
-      } else {
+      } else {  // the runtime-sized scalar loops
         attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
       }
       w = following;
@@ -296,7 +364,7 @@ namespace jitney_cpu {
 // sink logit (-inf: none).
 at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, bool portable,
+                              const at::Tensor& query_start_loc, double scale, const std::string& kernel,
                               c10::optional<int64_t> window, c10::optional<double> softcap,
                               const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3, "query must be (T, heads, head_dim), got ", query.sizes());
@@ -304,6 +372,7 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
               "query and caches differ in dtype");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat,
               "attention runs in bfloat16 or float32");
+  const Form form = pick_form(kernel, query.scalar_type() == at::kBFloat16);
   check_cache_layout(k_cache, v_cache, "paged_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
@@ -377,12 +446,14 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
                    [&keys_read](const Item& a, const Item& b) { return keys_read(a) > keys_read(b); });
   if (q.scalar_type() == at::kBFloat16) {
     attend_items(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                 tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s, portable);
+                 tables.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), items, s, form);
   } else {
     attend_items(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s, portable);
+                 tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s, form);
   }
   return out;
 }
+
+std::string attention_kernel_op() { return form_name(pick_form("auto", true)); }
 
 }  // namespace jitney_cpu

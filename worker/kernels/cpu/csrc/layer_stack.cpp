@@ -394,7 +394,7 @@ class LayerStack : public torch::CustomClassHolder {
             break;
           case Op::kAttend:
             h = jitney_cpu::paged_attention_op(h, layer.k_cache, layer.v_cache, block_tables, seq_lens,
-                                               query_start_loc, scale_, false, layer.window, layer.softcap,
+                                               query_start_loc, scale_, "auto", layer.window, layer.softcap,
                                                layer.sinks)
                     .reshape({tokens, -1});
             break;

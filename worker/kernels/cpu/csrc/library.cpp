@@ -23,8 +23,9 @@ TORCH_LIBRARY(jitney_cpu, m) {
         "bool portable=False) -> Tensor", &linear_silu_mul_op);
   // attention.cpp
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, bool portable=False, int? window=None, float? softcap=None, "
+        "Tensor query_start_loc, float scale, str kernel=\"auto\", int? window=None, float? softcap=None, "
         "Tensor? sinks=None) -> Tensor", &paged_attention_op);
+  m.def("attention_kernel() -> str", &attention_kernel_op);
   // elementwise.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_op);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_op);

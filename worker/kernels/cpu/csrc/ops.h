@@ -25,10 +25,11 @@ at::Tensor linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, con
 // attention.cpp (window, softcap, sinks: none by default, the schema's defaults)
 at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, bool portable,
+                              const at::Tensor& query_start_loc, double scale, const std::string& kernel,
                               c10::optional<int64_t> window = c10::nullopt,
                               c10::optional<double> softcap = c10::nullopt,
                               const c10::optional<at::Tensor>& sinks = c10::nullopt);
+std::string attention_kernel_op();
 
 // elementwise.cpp: the decoder layer's elementwise work
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps);
