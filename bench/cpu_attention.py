@@ -88,9 +88,10 @@ def main() -> int:
         query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).bfloat16()
         cells = []
         for form in forms:
-            cells.append(per_call(lambda k, v, form=form: cpu_kernels.paged_attention(
-                query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc, HEAD_DIM ** -0.5, form),
-                kernel_caches))
+            def call(k: torch.Tensor, v: torch.Tensor, form: str = form) -> torch.Tensor:
+                return cpu_kernels.paged_attention(query, k, v, meta.block_tables, meta.seq_lens,
+                                                   meta.query_start_loc, HEAD_DIM ** -0.5, form)
+            cells.append(per_call(call, kernel_caches))
         if args.no_sdpa:
             sdpa = "–"
         else:

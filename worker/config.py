@@ -19,6 +19,7 @@ DType = Literal["float32", "bfloat16", "float16", "auto"]
 Device = Literal["cpu", "cuda"]
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATION_CHOICES: tuple[Quantization, ...] = ("none", "int8", "int4")
+CPU_ATTENTION_CHOICES = ("auto", "amx", "avx512", "portable")  # cpu_kernels.set_attention_kernel's names
 
 DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
@@ -82,6 +83,9 @@ class WorkerConfig:
         linear layers for the Triton batch-invariant matmul
         (``worker/kernels/triton/matmul.py``); ``False`` on the CPU uses oneDNN's
         faster but batch-size-dependent kernels.
+      cpu_attention: the CPU attention kernel's form (``cpu_kernels.set_attention_kernel``):
+        ``auto`` (the fastest this CPU has: ``amx`` with AMX-BF16, else ``avx512``),
+        ``amx``, ``avx512`` or ``portable``. The forms give different bits.
       quantization: ``int8``: every linear layer and the logits' head keep
         int8 weights with one scale per output channel, quantized at load from
         the model's weights (``cpu_kernels.Int8Linear``, CPU only); the
@@ -136,6 +140,7 @@ class WorkerConfig:
     hang_timeout: float = 30.0
     attention_backend: AttentionBackendName = "auto"
     batch_invariant: bool | None = None
+    cpu_attention: str = "auto"
     quantization: Quantization = "none"
     skinny_rows: int | None = None
     weights_cache: str | None = None
@@ -170,6 +175,10 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.cpu_attention not in CPU_ATTENTION_CHOICES:
+            raise ValueError(f"cpu_attention must be one of {CPU_ATTENTION_CHOICES}, got {self.cpu_attention!r}")
+        if self.cpu_attention != "auto" and self.device != "cpu":
+            raise ValueError(f"--cpu-attention {self.cpu_attention} runs on the CPU only (--device cpu)")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
         if self.quantization != "none" and self.device != "cpu":
@@ -281,6 +290,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                             "--no-batch-invariant runs oneDNN's matmuls and SDPA on the CPU, which on the "
                             "Zen 5 test machine took 2.1x as long on offline-64 (bench/invariance_cost.py) "
                             "(default: on for the CPU, off on CUDA)")
+    group.add_argument("--cpu-attention", dest="cpu_attention", choices=CPU_ATTENTION_CHOICES, default="auto",
+                       help="the CPU attention kernel: auto (the fastest this CPU has: amx where it has "
+                            "AMX-BF16, else avx512), amx, avx512 or portable. Each is batch-invariant, but "
+                            "they give different bits: replicas on mixed CPUs that must agree name one they "
+                            "all have (default: auto)")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                        help="int8: weight-only int8 linear layers and head, per-channel scales computed at load; "
                             "about half the weight bytes per step. int4: the linear layers in 4 bits (a scale per "

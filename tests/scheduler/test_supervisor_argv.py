@@ -49,3 +49,13 @@ def test_serve_passes_dist_timeout_and_skinny_rows_to_its_workers() -> None:
     again = WorkerConfig.from_namespace(work.parse_args(argv))
     assert (again.dist_timeout, again.skinny_rows) == (42.0, 8)
     assert "--tp-rank" not in argv   # the supervisor adds each rank's own
+
+
+def test_cpu_attention_reaches_the_worker_and_a_bad_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = worker_parser()
+    argv = child_argv(parser, parser.parse_args(["--cpu-attention", "avx512"]))
+    assert WorkerConfig.from_namespace(parser.parse_args(argv)).cpu_attention == "avx512"
+    assert WorkerConfig.from_namespace(parser.parse_args(child_argv(parser, parser.parse_args([])))).cpu_attention == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cpu-attention", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err

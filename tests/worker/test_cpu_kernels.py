@@ -294,6 +294,42 @@ def test_bf16_attention_runs_in_the_fastest_form_the_cpu_has() -> None:
         cpu_kernels.paged_attention(*args, "fast")
 
 
+def test_the_process_form_is_what_auto_runs_and_a_missing_one_is_refused() -> None:
+    """--cpu-attention: set_attention_kernel makes "auto" (the server's layers) run the
+    named form, bit for bit, for bfloat16, and for float32 where the form takes it (amx:
+    float32 keeps its own fastest); "auto" restores the CPU's fastest; an unknown name or
+    a form this CPU lacks is refused and leaves the setting as it was."""
+    fastest, have = cpu_kernels.attention_kernel(), attention_kernels(torch.bfloat16)
+    seq_lens, query_lens = [1, 40, 200], [1, 40, 3]
+    problems = {dtype: paged_problem(dtype, (9, 3, 64), 16, seq_lens, query_lens, seed=3)
+                for dtype in DTYPES}
+
+    def run(dtype: torch.dtype, kernel: str) -> torch.Tensor:
+        query, k, v, meta, _ = problems[dtype]
+        return cpu_kernels.paged_attention(query, *to_kernel_layout(k, v), meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, 0.125, kernel)
+
+    float32_auto = run(torch.float32, "auto")
+    try:
+        for form in have:
+            cpu_kernels.set_attention_kernel(form)
+            assert cpu_kernels.attention_kernel() == form
+            assert torch.equal(run(torch.bfloat16, "auto"), run(torch.bfloat16, form)), form
+            want32 = float32_auto if form == "amx" else run(torch.float32, form)
+            assert torch.equal(run(torch.float32, "auto"), want32), form
+        cpu_kernels.set_attention_kernel("portable")
+        with pytest.raises(RuntimeError, match="must be auto, amx, avx512 or portable"):
+            cpu_kernels.set_attention_kernel("fast")
+        if "amx" not in have:
+            with pytest.raises(RuntimeError, match="the amx attention kernel needs"):
+                cpu_kernels.set_attention_kernel("amx")
+        assert cpu_kernels.attention_kernel() == "portable"
+    finally:
+        cpu_kernels.set_attention_kernel("auto")
+    assert cpu_kernels.attention_kernel() == fastest
+    assert torch.equal(run(torch.bfloat16, "auto"), run(torch.bfloat16, fastest))
+
+
 def test_paged_attention_rejects_bad_metadata() -> None:
     query, token_k, token_v, meta, _ = paged_problem(torch.float32, (4, 2, 16), 4, [9], [3])
     k, v = to_kernel_layout(token_k, token_v)

@@ -17,7 +17,8 @@ from jitney.engine.v1 import engine_pb2 as pb
 from jitney.worker.config import WorkerConfig
 from jitney.worker.main import run_worker
 from jitney.worker.runner.plan_checks import PlanError
-from jitney.worker.runner.device import STEP_DEFAULTS, resolve_batch_invariant
+from jitney.worker.kernels.cpu import ops as cpu_kernels
+from jitney.worker.runner.device import STEP_DEFAULTS, resolve_batch_invariant, use_cpu_attention
 from jitney.worker.runner.model_runner import ModelRunner
 
 
@@ -136,6 +137,27 @@ def test_batch_invariance_defaults_and_refusals(caplog: pytest.LogCaptureFixture
     assert "not batch-invariant" in caplog.text
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         resolve_batch_invariant(WorkerConfig(batch_invariant=True), cpu, torch.float16)
+
+
+def test_cpu_attention_names_the_form_the_worker_runs(model_dir: Path) -> None:
+    """--cpu-attention: the worker's attention runs the named form; a name outside the
+    choices, or a named form where the CPU kernels do not run, is refused before loading."""
+    fastest = cpu_kernels.attention_kernel()
+    try:
+        ModelRunner(WorkerConfig(model=str(model_dir), dtype="bfloat16", block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                 cpu_attention="portable"))
+        assert cpu_kernels.attention_kernel() == "portable"
+    finally:
+        cpu_kernels.set_attention_kernel("auto")
+    assert cpu_kernels.attention_kernel() == fastest
+    with pytest.raises(ValueError, match="cpu_attention must be one of"):
+        WorkerConfig(cpu_attention="fast")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        WorkerConfig(device="cuda", cpu_attention="avx512")
+    with pytest.raises(ValueError, match="needs the CPU's batch-invariant kernels"):
+        use_cpu_attention(WorkerConfig(cpu_attention="avx512"), torch.device("cpu"), False)
+    assert use_cpu_attention(WorkerConfig(), torch.device("cpu"), False) is None
+    assert use_cpu_attention(WorkerConfig(), torch.device("cpu"), True) == fastest
 
 
 def test_ready_says_whether_the_worker_is_batch_invariant(model_dir: Path) -> None:

@@ -127,6 +127,25 @@ def resolve_batch_invariant(config: WorkerConfig, device: torch.device, dtype: t
     return config.batch_invariant
 
 
+def use_cpu_attention(config: WorkerConfig, device: torch.device, batch_invariant: bool) -> str | None:
+    """Sets the CPU attention kernel's form for this process (``--cpu-attention``) and
+    returns it; None where the CPU kernels do not run (CUDA, or the CPU without batch
+    invariance, where a named form is refused: ``ValueError``, as for a form this CPU
+    lacks)."""
+    if device.type != "cpu" or not batch_invariant:
+        if config.cpu_attention != "auto":
+            raise ValueError(f"--cpu-attention {config.cpu_attention} needs the CPU's batch-invariant kernels "
+                             "(--device cpu, bfloat16 or float32, not --no-batch-invariant)")
+        return None
+    try:
+        cpu_kernels.set_attention_kernel(config.cpu_attention)
+    except RuntimeError as err:
+        raise ValueError(f"--cpu-attention {config.cpu_attention}: {str(err).splitlines()[0]}") from None
+    form = cpu_kernels.attention_kernel()
+    logger.info("CPU attention kernel: %s", form)
+    return form
+
+
 class ModelTimer:
     """Time of forward + logits: host time on the CPU, GPU time between two events on CUDA.
     One per runner, started at each step (the events are made once, and recorded on the

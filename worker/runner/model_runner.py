@@ -44,7 +44,7 @@ from jitney.worker.config import WorkerConfig
 from jitney.worker.runner.draft_model import DraftModel
 from jitney.worker.runner.cuda_graphs import DecodeGraphs, capture_sizes, mixed_buckets
 from jitney.worker.runner.device import (ModelTimer, dtype_name, resolve_batch_invariant, resolve_device,
-                                         resolve_dtype, skinny_rows, step_defaults)
+                                         resolve_dtype, skinny_rows, step_defaults, use_cpu_attention)
 from jitney.worker.runner.input_batch import InputBatch, StagedStep, StepChunk
 from jitney.worker.attention.kv_cache import CacheGeometry, PagedKVCache, size_cache
 from jitney.worker.loading.loader import load_model
@@ -125,6 +125,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
         self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype)
+        use_cpu_attention(config, self.device, self.batch_invariant)
         cache = (WeightsCache(Path(config.weights_cache) if config.weights_cache else cache_root())
                  if config.use_weights_cache else None)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, config.max_model_len,

@@ -162,7 +162,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
     ``kernel``: the form every row of the call runs in. ``auto`` (what the server
-    runs): ``attention_kernel()`` for bfloat16, ``avx512`` for float32. ``amx``: the
+    runs): ``attention_kernel()`` for bfloat16; for float32 the same, or ``avx512``
+    where that is ``amx`` (``set_attention_kernel``). ``amx``: the
     tile unit's (bfloat16 16-token blocks, head_dim 64 or 128); ``avx512``: 16-token
     blocks with head_dim a multiple of 64 in AVX-512 registers, the scalar loops' bits;
     ``portable``: the scalar loops only. Shapes a form does not cover run as under the
@@ -182,9 +183,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def attention_kernel() -> str:
     """The form ``paged_attention`` runs bfloat16 in here by default: ``amx`` (AMX-BF16),
-    ``avx512`` or ``portable`` (a CPU without AVX-512)."""
+    ``avx512`` or ``portable`` (a CPU without AVX-512), or what ``set_attention_kernel`` named."""
     load()
     return str(torch.ops.jitney_cpu.attention_kernel())
+
+
+def set_attention_kernel(kernel: str) -> None:
+    """Make ``kernel="auto"`` (the server's layers) run ``kernel`` in this process from now
+    on; ``auto`` restores the fastest the CPU has. The forms give different bits, so
+    machines that must agree bit for bit (replicas behind one router) name the one they
+    share: ``avx512`` on an AMX machine gives a Zen 5's bits. An unknown name, or a
+    form this CPU lacks, raises ``RuntimeError``."""
+    load()
+    torch.ops.jitney_cpu.set_attention_kernel(kernel)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ TORCH_LIBRARY(jitney_cpu, m) {
         "Tensor query_start_loc, float scale, str kernel=\"auto\", int? window=None, float? softcap=None, "
         "Tensor? sinks=None) -> Tensor", &paged_attention_op);
   m.def("attention_kernel() -> str", &attention_kernel_op);
+  m.def("set_attention_kernel(str kernel) -> ()", &set_attention_kernel_op);
   // elementwise.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_op);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_op);

@@ -30,6 +30,7 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
                               c10::optional<double> softcap = c10::nullopt,
                               const c10::optional<at::Tensor>& sinks = c10::nullopt);
 std::string attention_kernel_op();
+void set_attention_kernel_op(const std::string& kernel);
 
 // elementwise.cpp: the decoder layer's elementwise work
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps);
