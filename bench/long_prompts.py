@@ -16,7 +16,7 @@ Every step of this workload carries at most N decodes beside its chunk.
 ``--workload FILE`` replays a workload file instead (offline-64: what the
 forms cost where prompts are short).
 
-    python bench/long_prompts.py [--forms auto avx512] [-n 8] [--prompt 3000] [--out 64]
+    python bench/long_prompts.py [--forms amx avx512] [-n 8] [--prompt 3000] [--out 64]
                                  [--workload FILE] [--repeats N] [--extra "--max-step-ms 80"]
                                  [--json PATH]
 """
@@ -84,7 +84,7 @@ def run_one(form: str, items: list[WorkItem], extra: list[str], tmp: Path, turn:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--forms", nargs="+", default=["auto", "avx512"],
+    ap.add_argument("--forms", nargs="+", default=["amx", "avx512"],
                     choices=["auto", "amx", "avx512", "portable"], help="--cpu-attention values, in turns")
     ap.add_argument("-n", type=int, default=8, help="prompts (default 8)")
     ap.add_argument("--prompt", type=int, default=3000, help="tokens a prompt (default 3000)")

@@ -162,8 +162,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
     ``kernel``: the form every row of the call runs in. ``auto`` (what the server
-    runs): ``attention_kernel()`` for bfloat16; for float32 the same, or ``avx512``
-    where that is ``amx`` (``set_attention_kernel``). ``amx``: the
+    runs): ``attention_kernel()``, for float32 too unless that is ``amx``. ``amx``: the
     tile unit's (bfloat16 16-token blocks, head_dim 64 or 128); ``avx512``: 16-token
     blocks with head_dim a multiple of 64 in AVX-512 registers, the scalar loops' bits;
     ``portable``: the scalar loops only. Shapes a form does not cover run as under the
@@ -182,17 +181,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def attention_kernel() -> str:
-    """The form ``paged_attention`` runs bfloat16 in here by default: ``amx`` (AMX-BF16),
-    ``avx512`` or ``portable`` (a CPU without AVX-512), or what ``set_attention_kernel`` named."""
+    """The form ``kernel="auto"`` runs in this process: what ``set_attention_kernel`` named,
+    else ``avx512`` (``portable`` on a CPU without AVX-512; the same bits). ``amx`` is
+    only ever named: its bits differ from the others', while the bf16 linears give the
+    same bits on CPUs with and without AMX."""
     load()
     return str(torch.ops.jitney_cpu.attention_kernel())
 
 
 def set_attention_kernel(kernel: str) -> None:
     """Make ``kernel="auto"`` (the server's layers) run ``kernel`` in this process from now
-    on; ``auto`` restores the fastest the CPU has. The forms give different bits, so
-    machines that must agree bit for bit (replicas behind one router) name the one they
-    share: ``avx512`` on an AMX machine gives a Zen 5's bits. An unknown name, or a
+    on; ``auto`` restores the default (``attention_kernel``). ``amx`` is ~2.8x faster on a
+    long prompt's attention (bench/cpu_attention.py) but gives its own bits: replicas
+    that must agree bit for bit run it on every machine or on none. An unknown name, or a
     form this CPU lacks, raises ``RuntimeError``."""
     load()
     torch.ops.jitney_cpu.set_attention_kernel(kernel)

@@ -12,9 +12,9 @@
 // its sequence's cache blocks, its position), never on how many rows share the
 // call, where the row sits in it or how the rows are split among threads.
 //
-// A call runs in one of three forms (kernel="auto" takes the fastest the CPU
-// has): "amx", bfloat16 16-token blocks of head_dim 64 or 128 on the tile unit
-// (attention_amx.h: its own arithmetic, the same for every row); "avx512",
+// A call runs in one of three forms (kernel="auto": avx512 where the CPU has it,
+// or what set_attention_kernel named): "amx", bfloat16 16-token blocks of
+// head_dim 64 or 128 on the tile unit (attention_amx.h: its own arithmetic, the same for every row); "avx512",
 // 16-token blocks with head_dim a multiple of 64 running the scalar loops'
 // operations in AVX-512 registers (tests compare the bits; other shapes take
 // the loops); "portable", the scalar loops only. In every form the next blocks
@@ -284,16 +284,17 @@ const char* form_name(Form f) {
 std::atomic<int> g_auto_form{-1};
 
 // "auto": the process's form where one was set (amx for bfloat16 only: float32 then
-// takes the fastest other), else the tile unit's for bfloat16 where the CPU has it,
-// else the AVX-512 one, else the scalar loops. A named form the CPU lacks, or amx for
-// float32, is refused.
+// takes the default), else the AVX-512 one, else the scalar loops (the same bits): the
+// tile unit's form is asked for by name, as its bits are its own while the bf16
+// linears' are the same on CPUs with and without AMX. A named form the CPU lacks, or
+// amx for float32, is refused.
 Form pick_form(const std::string& kernel, bool bf16) {
   Form f;
   const int set = g_auto_form.load(std::memory_order_relaxed);
   if (kernel == "auto" && set >= 0 && (bf16 || static_cast<Form>(set) != Form::kAmx)) {
     f = static_cast<Form>(set);
   } else if (kernel == "auto") {
-    f = bf16 && amx_usable() ? Form::kAmx : avx512_usable() ? Form::kAvx512 : Form::kPortable;
+    f = avx512_usable() ? Form::kAvx512 : Form::kPortable;
   } else if (kernel == "amx") {
     TORCH_CHECK(bf16, "the amx attention kernel takes bfloat16, not float32");
     f = Form::kAmx;
