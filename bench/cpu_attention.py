@@ -5,7 +5,7 @@
 
 The default model's attention shape (9 query heads, 3 KV heads, head_dim 64,
 16-token blocks, bf16) on a 512-token prefill and on decode steps of 1 and
-64 sequences. The kernel runs in every form the CPU has (amx, avx512;
+64 sequences. The kernel runs in every form the CPU has (amx, avx512bf16, avx512;
 the server runs attention_kernel()'s); the backends attend the same queries over the same paged
 cache; milliseconds per call (one layer), mean of ``--reps`` after a warm-up.
 
@@ -32,7 +32,18 @@ from jitney.worker.attention.backend import (  # noqa: E402
     AttentionMetadata, TorchPagedAttention, to_kernel_layout)
 from jitney.worker.kernels.cpu import ops as cpu_kernels  # noqa: E402
 
-FORMS = ["avx512", "amx"]  # the kernel's forms worth timing, slowest first (portable: the scalar loops)
+FORMS = ["avx512", "avx512bf16", "amx"]  # the kernel's forms worth timing (portable: the scalar loops)
+
+
+def usable(form: str) -> bool:
+    """Whether this CPU (and build) runs ``form``: set_attention_kernel refuses one it lacks."""
+    try:
+        cpu_kernels.set_attention_kernel(form)
+    except RuntimeError:
+        return False
+    finally:
+        cpu_kernels.set_attention_kernel("auto")
+    return True
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = {"prefill 512": ([512], [512]), "prefill 512 at 3000": ([512], [3000]), "decode 1 x 200": ([1], [200]),
@@ -78,7 +89,7 @@ def main() -> int:
         return (time.perf_counter() - started) / (len(own) * args.reps) * 1000
 
     have = cpu_kernels.attention_kernel()
-    forms = FORMS[:FORMS.index(have) + 1] if have in FORMS else ["portable"]
+    forms = [form for form in FORMS if usable(form)] or ["portable"]
     print(f"{torch.get_num_threads()} threads, {args.layers} distinct caches, "
           f"{'scattered' if args.scattered else 'consecutive'} blocks; the server's form: {have}")
     print("| case | " + " | ".join(f"kernel ({form}) ms" for form in forms) + " | gather + SDPA ms |")

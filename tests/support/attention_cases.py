@@ -9,8 +9,10 @@ queries' and keys' absolute positions.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +22,31 @@ from jitney.worker.attention.backend import AttentionBackend, AttentionMetadata,
 from jitney.worker.attention.features import first_window_block
 
 CPU = torch.device("cpu")
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+
+
+def named_forms() -> list[str]:
+    """The CPU attention kernel's forms with bits of their own that this CPU runs when
+    named (--cpu-attention; bfloat16 only): the dot-product and the tile-unit forms."""
+    return (["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS)
+            + ["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS))
+
+
+def dtype_forms() -> list[tuple[torch.dtype, str]]:
+    """(dtype, form) pairs to run a test of the invariant CPU backend in: both dtypes in
+    the default form, and bfloat16 in every named form."""
+    return [(torch.float32, "auto"), (torch.bfloat16, "auto")] + [(torch.bfloat16, f) for f in named_forms()]
+
+
+@contextlib.contextmanager
+def attention_form(form: str) -> Iterator[None]:
+    """The process's CPU attention form (what ``auto`` runs) set to ``form`` for a block."""
+    from jitney.worker.kernels.cpu import ops as cpu_kernels
+    cpu_kernels.set_attention_kernel(form)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_attention_kernel("auto")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from tests.support.triton_support import DEVICE, interpret_when_no_cuda, interpr
 
 interpret_when_no_cuda()   # before transformers' masking_utils (the reference's mask) imports Triton
 
-from tests.support.attention_cases import (PagedCase, attend_case, paged_case, poison_early_blocks,  # noqa: E402
-                                           random_sinks, reference_attention, visible)
+from tests.support.attention_cases import (PagedCase, attend_case, attention_form, dtype_forms,  # noqa: E402
+                                           paged_case, poison_early_blocks, random_sinks, reference_attention,
+                                           visible)
 from tests.support.invariance_driver import torch_threads  # noqa: E402
 from jitney.worker.attention.backend import InvariantCpuAttention, TorchPagedAttention, to_kernel_layout  # noqa: E402
 from jitney.worker.kernels.cpu import ops as cpu_kernels  # noqa: E402
@@ -112,6 +113,21 @@ def test_cpu_backends_match_the_reference(backend: str, dtype: torch.dtype, head
     torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("form", [f for _, f in dtype_forms() if f != "auto"])
+def test_named_cpu_forms_match_the_reference(form: str, feature: str) -> None:
+    """The forms with bits of their own, named, on bfloat16 16-token blocks of head_dim 64
+    and 128: within bfloat16's tolerance of the reference, every feature on."""
+    for heads in [(9, 3, 64), (8, 2, 128)]:
+        feats = features(feature, heads[0])
+        case = windowed_case(torch.bfloat16, heads, 16, feats, fill=float("nan"))
+        with attention_form(form):
+            out = attend_case(InvariantCpuAttention(), case, scale_of(heads[2]), **feats)
+        assert bool(torch.isfinite(out).all())
+        want = reference_attention(case, scale_of(heads[2]), **feats)
+        torch.testing.assert_close(out.float(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
 def test_the_features_change_the_answer() -> None:
     """Each feature is honoured, not ignored: the answer moves from the plain one."""
     case = paged_case(torch.float32, (4, 2, 16), 4, SEQ_LENS, QUERY_LENS, fill=0.0)
@@ -130,13 +146,18 @@ def decode_alone(case: PagedCase, seq: int, pos: int, feats: dict[str, Any]) -> 
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("heads,block", GEOMETRIES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_cpu_kernel_gives_a_token_its_decode_bits(dtype: torch.dtype, heads: tuple[int, int, int], block: int,
-                                                       feature: str) -> None:
+@pytest.mark.parametrize("heads,block", GEOMETRIES + [((8, 2, 128), 16)])
+@pytest.mark.parametrize("dtype,form", dtype_forms())
+def test_the_cpu_kernel_gives_a_token_its_decode_bits(dtype: torch.dtype, form: str, heads: tuple[int, int, int],
+                                                       block: int, feature: str) -> None:
     """Within a prefill chunk or batched with others, a token attends exactly as its
     sequence's decode at its position; the same bits with 1 and 2 threads, and with
-    each prefill split into two chunks of other calls."""
+    each prefill split into two chunks of other calls; in every form the CPU has."""
+    with attention_form(form):
+        decode_bits_hold(dtype, heads, block, feature)
+
+
+def decode_bits_hold(dtype: torch.dtype, heads: tuple[int, int, int], block: int, feature: str) -> None:
     feats = features(feature, heads[0])
     case = windowed_case(dtype, heads, block, feats, seed=3)
     scale = scale_of(heads[2])
@@ -160,8 +181,8 @@ def test_the_cpu_kernel_gives_a_token_its_decode_bits(dtype: torch.dtype, heads:
         assert torch.equal(attend_case(InvariantCpuAttention(), case, scale, **feats), together)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,form", dtype_forms())
+def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, form: str) -> None:
     """From 4 decodes a thread a decode's kv heads are one work item: the same bits, with
     every feature on, beside a prefill chunk, with 1 and 2 threads."""
     feats = features("all", 9)
@@ -169,7 +190,7 @@ def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype) -> None:
     query_lens = [1] * 16 + [30]
     case = windowed_case(dtype, (9, 3, 64), 16, feats, seed=11, seq_lens=seq_lens, query_lens=query_lens)
     for threads in (1, 2):
-        with torch_threads(threads):
+        with torch_threads(threads), attention_form(form):
             together = attend_case(InvariantCpuAttention(), case, scale_of(64), **feats)
             for i in range(16):
                 assert torch.equal(decode_alone(case, i, seq_lens[i] - 1, feats), together[i]), (threads, i)

@@ -236,9 +236,11 @@ CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinf
 
 
 def attention_kernels(dtype: torch.dtype) -> list[str]:
-    """Every form paged_attention can run ``dtype`` in on this CPU (amx: bfloat16 only)."""
+    """Every form paged_attention can run ``dtype`` in on this CPU (amx, avx512bf16: bfloat16 only)."""
     have = ["portable"] + ["avx512"] * ("avx512f" in CPU_FLAGS)
-    return have + ["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS and dtype == torch.bfloat16)
+    bf16 = dtype == torch.bfloat16
+    return (have + ["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS and bf16)
+            + ["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS and bf16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -284,14 +286,14 @@ def test_bf16_attention_runs_the_same_bits_on_every_cpu_unless_amx_is_named() ->
             got = cpu_kernels.paged_attention(*args, form)
             assert bool(torch.isfinite(got).all()), form
             torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
-    missing = [form for form in ("avx512", "amx") if form not in attention_kernels(torch.bfloat16)]
+    missing = [form for form in ("avx512", "avx512bf16", "amx") if form not in attention_kernels(torch.bfloat16)]
     for form in missing:
         with pytest.raises(RuntimeError, match=f"the {form} attention kernel needs"):
             cpu_kernels.paged_attention(*args, form)
     with pytest.raises(RuntimeError, match="takes bfloat16"):
         cpu_kernels.paged_attention(query.float(), *to_kernel_layout(k.float(), v.float()), meta.block_tables,
                                     meta.seq_lens, meta.query_start_loc, 0.125, "amx")
-    with pytest.raises(RuntimeError, match="must be auto, amx, avx512 or portable"):
+    with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512 or portable"):
         cpu_kernels.paged_attention(*args, "fast")
 
 
@@ -319,7 +321,7 @@ def test_the_process_form_is_what_auto_runs_and_a_missing_one_is_refused() -> No
             want32 = float32_auto if form == "amx" else run(torch.float32, form)
             assert torch.equal(run(torch.float32, "auto"), want32), form
         cpu_kernels.set_attention_kernel("portable")
-        with pytest.raises(RuntimeError, match="must be auto, amx, avx512 or portable"):
+        with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512 or portable"):
             cpu_kernels.set_attention_kernel("fast")
         if "amx" not in have:
             with pytest.raises(RuntimeError, match="the amx attention kernel needs"):

@@ -40,6 +40,7 @@
 #include "amx.h"
 #include "attention_amx.h"
 #include "attention_block.h"
+#include "attention_dot.h"
 #include "attention_rows.h"
 #include "convert.h"
 #include "kv_layout.h"
@@ -252,7 +253,7 @@ struct Item { int64_t seq, t0, t1, pos0, h0, h1; };
 // The forms a call's rows run in (one for all of them): the tile unit's, the
 // AVX-512 registers' (attend_tile's own bits: 16-token blocks, head_dim a multiple
 // of 64; other shapes its scalar loops), or the scalar loops only.
-enum class Form { kAmx, kAvx512, kPortable };
+enum class Form { kAmx, kAvx512, kPortable, kDot };
 
 bool amx_usable() {
 #if defined(JITNEY_AMX_BF16) && defined(__AVX512BF16__)
@@ -261,6 +262,17 @@ bool amx_usable() {
   return false;
 #endif
 }
+
+bool dot_usable() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The forms that take bfloat16 only (float32 runs the default where one is the process's).
+bool bf16_only(Form f) { return f == Form::kAmx || f == Form::kDot; }
 
 bool avx512_usable() {
 #if defined(__AVX512F__)
@@ -274,6 +286,7 @@ const char* form_name(Form f) {
   switch (f) {
     case Form::kAmx: return "amx";
     case Form::kAvx512: return "avx512";
+    case Form::kDot: return "avx512bf16";
     default: return "portable";
   }
 }
@@ -291,21 +304,23 @@ std::atomic<int> g_auto_form{-1};
 Form pick_form(const std::string& kernel, bool bf16) {
   Form f;
   const int set = g_auto_form.load(std::memory_order_relaxed);
-  if (kernel == "auto" && set >= 0 && (bf16 || static_cast<Form>(set) != Form::kAmx)) {
+  if (kernel == "auto" && set >= 0 && (bf16 || !bf16_only(static_cast<Form>(set)))) {
     f = static_cast<Form>(set);
   } else if (kernel == "auto") {
     f = avx512_usable() ? Form::kAvx512 : Form::kPortable;
-  } else if (kernel == "amx") {
-    TORCH_CHECK(bf16, "the amx attention kernel takes bfloat16, not float32");
-    f = Form::kAmx;
+  } else if (kernel == "amx" || kernel == "avx512bf16") {
+    TORCH_CHECK(bf16, "the ", kernel, " attention kernel takes bfloat16, not float32");
+    f = kernel == "amx" ? Form::kAmx : Form::kDot;
   } else if (kernel == "avx512") {
     f = Form::kAvx512;
   } else {
-    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512 or portable, got \"", kernel, "\"");
+    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512bf16, avx512 or portable, got \"", kernel, "\"");
     f = Form::kPortable;
   }
   TORCH_CHECK(f != Form::kAmx || amx_usable(), "the amx attention kernel needs AMX-BF16, which this CPU ",
               "(or this build, or the kernel's grant of the tile state) does not have");
+  TORCH_CHECK(f != Form::kDot || dot_usable(), "the avx512bf16 attention kernel needs AVX-512 BF16, which this CPU ",
+              "(or this build) does not have");
   TORCH_CHECK(f != Form::kAvx512 || avx512_usable(), "the avx512 attention kernel needs AVX-512, which this build lacks");
   return f;
 }
@@ -314,8 +329,7 @@ template <typename scalar_t>
 void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
                   scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, Form form) {
   const int64_t count = static_cast<int64_t>(items.size());
-  [[maybe_unused]] const bool tiles =
-      form == Form::kAmx && s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
+  [[maybe_unused]] const bool tiles = bf16_only(form) && s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
   // Items are handed out one at a time as threads come free (long and short ones
   // balance), each thread claiming its next item when it starts one, so that it can
   // prefetch that item's first blocks. Which thread runs an item does not change its
@@ -337,6 +351,24 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
         const BlockRange range = blocks_seen(nx.t0, nx.t1, nx.pos0, s.block_size, s.window);
         after = {tables + nx.seq * s.table_width + range.first, range.end - range.first, nx.h0, nx.h1 - nx.h0};
       }
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        if (tiles && form == Form::kDot) {  // a token's rows with the keys in lanes, more by tiles of rows
+          const bool token = it.t1 - it.t0 == 1;
+          if (s.head_dim == 64 && token) {
+            attend_token_dot<64>(q, k_cache, v_cache, table, out, it.t0, it.pos0, it.h0, it.h1, s, after);
+          } else if (s.head_dim == 64) {
+            attend_tile_dot<64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+          } else if (token) {
+            attend_token_dot<128>(q, k_cache, v_cache, table, out, it.t0, it.pos0, it.h0, it.h1, s, after);
+          } else {
+            attend_tile_dot<128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+          }
+          w = following;
+          continue;
+        }
+      }
+#endif
 #if defined(JITNEY_AMX_BF16) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
         if (tiles) {
@@ -449,7 +481,7 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
     // thread keeps two of the sequence's items to balance on.
     const int64_t per_item = ((t_end - t_begin) * s.num_kv_heads + 2 * threads - 1) / (2 * threads);
     const int64_t query_tile =
-        form == Form::kAmx ? std::clamp((per_item + 15) / 16 * 16, kQueryTile, kAmxQueryTile) : kQueryTile;
+        bf16_only(form) ? std::clamp((per_item + 15) / 16 * 16, kQueryTile, kAmxQueryTile) : kQueryTile;
     for (int64_t t = t_begin; t < t_end; t += query_tile) {
       const int64_t t1 = std::min(t + query_tile, t_end);
       if (group_heads && t1 - t == 1 && t_end - t_begin == 1) {

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "attention_bf16.h"
 #include "attention_block.h"
 #include "attention_rows.h"
 #include "convert.h"
@@ -45,7 +46,6 @@ namespace attention {
 // (they may hold anything, NaN included), so the last block's V is read from a copy
 // with those keys zeroed (0 x NaN would reach every row).
 constexpr int64_t kAmxRows = 16;
-constexpr int64_t kSuper = 4;  // blocks per superblock
 
 // The tile configuration of a thread's attention: tiles 0-3 (a superblock's four
 // blocks' scores, then four 16-column tiles of the values' sums) and 4 (q, 32 dims) at
@@ -72,28 +72,6 @@ class AttentionTiles {
  private:
   int64_t loaded_ = 0;
 };
-
-// e^x for x <= 0 (-inf and below -87: 0), to within ~5e-5 relative: the tile form's
-// weights, which are rounded to bfloat16 (3.9e-3 apart) before they are used. Range
-// reduction to 2^n e^r, |r| <= ln2/2, and Taylor's degree 4; 2^n by vscalefps. Ten
-// operations against exp_nonpositive16's fourteen: the softmax, not the tiles, bounds
-// a long prompt's attention here.
-inline __m512 exp_weight16(__m512 x) {
-  const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187045e-06f), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24.0f), r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(ok, p, n);
-}
-
-inline __m512 widen_bf16(__m256bh w) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16));
-}
 
 // Tile `tile` (0-3) = q . K block over D dims, from zero (tile 4: q's rows, stride qs
 // bytes; 6: K), stored to sc (stride ss bytes). The tile intrinsics take literal tiles.
@@ -131,130 +109,52 @@ __attribute__((always_inline)) inline void block_values(const at::BFloat16* w, c
   _tile_dpbf16ps(3, 5, 7);
 }
 
-// A later step's K and V runs (a superblock's blocks of one kv head), asked for into
-// L2 a few lines at a time among a step's work: in one burst the requests would fill
-// the line-fill buffers and stall the work behind them.
-constexpr int64_t kStepsAhead = 2;  // steps between a step's prefetch and its work
-constexpr int64_t kDrip = 8;        // lines asked for at each piece of a step's work
-
-template <int64_t D>
-class StepPrefetch {
- public:
-  void add(const char* run) { runs_[count_++] = run; }
-  void ask(int64_t lines) {
-    for (; lines > 0 && next_ < count_ * kLines; --lines, ++next_)
-      _mm_prefetch(runs_[next_ / kLines] + (next_ % kLines) * 64, _MM_HINT_T1);
-  }
-  void rest() { ask(count_ * kLines); }
-
- private:
-  static constexpr int64_t kLines = 16 * D * 2 / 64;  // one block's K (or V) of one kv head
-  const char* runs_[2 * kSuper] = {};
-  int64_t count_ = 0, next_ = 0;
-};
-
 template <int64_t D>
 void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                      const int64_t* table, at::BFloat16* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0,
                      int64_t h1, const AttentionShape& s, const NextItem& after, AttentionTiles& tiles) {
   static_assert(D == 64 || D == 128, "head_dim of the tile form");
   constexpr int64_t BS = 16, kKeys = kSuper * BS;
-  const int64_t g = s.num_heads / s.num_kv_heads;
-  const int64_t per_head = (t1 - t0) * g;  // query rows per kv head
-  const int64_t heads = h1 - h0, nq = heads * per_head;
-  const int64_t last_pos = pos0 + (t1 - t0) - 1;
-  const BlockRange range = blocks_seen(t0, t1, pos0, BS, s.window);
-  const int64_t sb_first = range.first / kSuper, sb_end = (range.end + kSuper - 1) / kSuper;
   thread_local std::vector<at::BFloat16> qb;
   thread_local std::vector<float> acc, m, l;
-  qb.resize(nq * D);
-  acc.assign(nq * D, 0.0f);
-  m.assign(nq, -std::numeric_limits<float>::infinity());
-  l.assign(nq, 0.0f);
+  SuperItem<D> item(k_cache, v_cache, table, s, after, t0, t1, pos0, h0, h1, acc, m, l);
+  const int64_t per_head = item.per_head;
+  qb.resize(item.nq * D);
+  for (int64_t row = 0; row < item.nq; ++row)
+    std::memcpy(qb.data() + row * D, q + item.offset(row), D * sizeof(at::BFloat16));
+  item.start();
   alignas(64) float sc[kAmxRows * kKeys];
   alignas(64) at::BFloat16 w[kAmxRows * kKeys];
   alignas(64) float pv[kAmxRows * D];
   alignas(64) at::BFloat16 v_last[BS * D];
   float corr[kAmxRows];
-  for (int64_t h = h0; h < h1; ++h) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t r = 0; r < g; ++r) {
-        const int64_t row = (h - h0) * per_head + (t - t0) * g + r;
-        std::memcpy(qb.data() + row * D, q + (t * s.num_heads + h * g + r) * D, D * sizeof(at::BFloat16));
-        if (s.sinks) {
-          const float sink = s.sinks[h * g + r];
-          m[row] = sink;
-          l[row] = sink == -std::numeric_limits<float>::infinity() ? 0.0f : 1.0f;
-        }
-      }
-    }
-  }
-  const int64_t run = BS * D;
-  // Step i of this item: superblock sb_first + i / heads, kv head h0 + i % heads; past
-  // its last, the thread's next item's first blocks. The next step's blocks are asked
-  // for into L1 (64-dim heads; L2 for 128: two steps would not fit), the one after
-  // into L2.
-  const int64_t steps = (sb_end - sb_first) * heads;
-  auto prefetch_step = [&](int64_t i, StepPrefetch<D>& into) {
-    into = StepPrefetch<D>{};
-    const int64_t* tb = table;
-    int64_t b0, b1, h;
-    if (i < steps) {
-      const int64_t sb = sb_first + i / heads;
-      b0 = std::max(range.first, sb * kSuper);
-      b1 = std::min(range.end, (sb + 1) * kSuper);
-      h = h0 + i % heads;
-    } else if (i - steps < after.heads) {
-      tb = after.table;
-      b0 = 0;
-      b1 = std::min<int64_t>(after.blocks, kSuper);
-      h = after.h0 + (i - steps);
-    } else {
-      return;
-    }
-    for (int64_t b = b0; b < b1; ++b) {
-      into.add(reinterpret_cast<const char*>(k_cache + (tb[b] * s.num_kv_heads + h) * run));
-      into.add(reinterpret_cast<const char*>(v_cache + (tb[b] * s.num_kv_heads + h) * run));
-    }
-  };
+  // The next step's blocks are asked for into L1 (64-dim heads; L2 for 128: two
+  // steps would not fit), the one after into L2.
   StepPrefetch<D> drip;
   const __m512 scale = _mm512_set1_ps(s.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t step = 0;
-  for (int64_t sb = sb_first; sb < sb_end; ++sb) {
-    const int64_t b0 = std::max(range.first, sb * kSuper), b1 = std::min(range.end, (sb + 1) * kSuper);
+  for (int64_t sb = item.sb_first; sb < item.sb_end; ++sb) {
+    const int64_t b0 = item.b0(sb), b1 = item.b1(sb);
     for (int64_t h = h0; h < h1; ++h, ++step) {
       if (step == 0) {  // the first steps now; later, each step's work asks for the one kStepsAhead on
         for (int64_t i = 1; i < kStepsAhead; ++i) {
-          prefetch_step(i, drip);
+          item.prefetch(i, drip);
           drip.rest();
         }
       }
-      prefetch_step(step + kStepsAhead, drip);
+      item.prefetch(step + kStepsAhead, drip);
       const at::BFloat16* kb[kSuper];
       const at::BFloat16* vb[kSuper];
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t base = (table[b] * s.num_kv_heads + h) * run;
-        kb[b - sb * kSuper] = k_cache + base;
-        vb[b - sb * kSuper] = v_cache + base;
-      }
-      const int64_t keys = last_pos + 1 - (b1 - 1) * BS;  // keys written in the last block read
-      if (keys < BS) {
-        std::memcpy(v_last, vb[b1 - 1 - sb * kSuper], sizeof(v_last));
-        uint16_t* bits = reinterpret_cast<uint16_t*>(v_last);
-        for (int64_t j = keys; j < BS; ++j)
-          for (int64_t c = 0; c < D; ++c) bits[((j / 2) * D + c) * 2 + j % 2] = 0;
-        vb[b1 - 1 - sb * kSuper] = v_last;
-      }
+      item.blocks(sb, h, kb, vb, v_last);
       for (int64_t r0 = 0; r0 < per_head; r0 += kAmxRows) {
         const int64_t rows = std::min(kAmxRows, per_head - r0);
         // Row i's keys of the superblock, [lo, hi) (none: hi <= lo).
         uint64_t seen[kAmxRows];
         bool any = false;
         for (int64_t i = 0; i < rows; ++i) {
-          const int64_t pos = pos0 + (r0 + i) / g;
-          const int64_t lo = std::max<int64_t>(0, first_key(pos, s.window) - sb * kKeys);
-          const int64_t hi = std::min(kKeys, pos + 1 - sb * kKeys);
+          int64_t lo, hi;
+          item.keys_seen(r0 + i, sb, lo, hi);
           seen[i] = lo >= hi ? 0 : (hi == 64 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1);
           any |= seen[i] != 0;
         }
@@ -331,17 +231,7 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const a
       drip.rest();
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t r = 0; r < g; ++r) {
-        const int64_t row = (h - h0) * per_head + (t - t0) * g + r;
-        const float inv = 1.0f / l[row];
-        at::BFloat16* dst = out + (t * s.num_heads + h * g + r) * D;
-        const float* a = acc.data() + row * D;
-        for (int64_t c = 0; c < D; ++c) dst[c] = from_float<at::BFloat16>(a[c] * inv);
-      }
-    }
-  }
+  item.finish(out);
 }
 
 }  // namespace attention
