@@ -131,11 +131,18 @@ struct SuperItem {
       vb[b - sb * kSuper] = v_cache + base;
     }
     const int64_t keys = last_pos + 1 - last * BS;  // keys written in the last block read
-    if (keys < BS) {
-      std::memcpy(v_last, vb[last - sb * kSuper], kRun * sizeof(at::BFloat16));
-      uint16_t* bits = reinterpret_cast<uint16_t*>(v_last);
-      for (int64_t j = keys; j < BS; ++j)
-        for (int64_t c = 0; c < D; ++c) bits[((j / 2) * D + c) * 2 + j % 2] = 0;
+    if (keys < BS) {  // key pairs [0, keys / 2) as they are, key `keys` alone where odd, zeros after
+      const at::BFloat16* src = vb[last - sb * kSuper];
+      const int64_t whole = keys / 2;
+      std::memcpy(v_last, src, whole * 2 * D * sizeof(at::BFloat16));
+      const __m512i low = _mm512_set1_epi32(0xFFFF);  // a lane's key 2p, without key 2p + 1
+      for (int64_t p = whole; p < BS / 2; ++p) {
+        for (int64_t c = 0; c < D; c += 16) {
+          __m512i lanes = _mm512_setzero_si512();
+          if (p == whole && keys % 2) lanes = _mm512_and_si512(_mm512_loadu_si512(src + (p * D + c) * 2), low);
+          _mm512_storeu_si512(v_last + (p * D + c) * 2, lanes);
+        }
+      }
       vb[last - sb * kSuper] = v_last;
     }
   }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace jitney_cpu {
@@ -265,42 +266,43 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       const at::BFloat16* vb[kSuper];
       item.blocks(sb, h, kb, vb, v_last);
       if (lo >= hi) continue;
-      for (int64_t r0 = 0; r0 < g; r0 += kRows) {
-        const int64_t rows = std::min(kRows, g - r0);
+      // g rows, R = 1..4 at a time (a decode's heads of one kv head; no lane of work wasted).
+      auto group = [&](int64_t r0, auto rows_c) {
+        constexpr int R = decltype(rows_c)::value;
         const int64_t row0 = (h - h0) * g + r0;
-        const uint32_t* qr[kRows];
-        for (int64_t r = 0; r < kRows; ++r)
-          qr[r] = reinterpret_cast<const uint32_t*>(q + item.offset(row0 + std::min(r, rows - 1)));
-        __m512 x[kRows][kSuper];
+        const uint32_t* qr[R];
+        for (int64_t r = 0; r < R; ++r)
+          qr[r] = reinterpret_cast<const uint32_t*>(q + item.offset(row0 + r));
+        __m512 x[R][kSuper];
 #pragma GCC unroll 16
-        for (int r = 0; r < kRows; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
           for (int b = 0; b < kSuper; ++b) x[r][b] = ninf;
         for (int64_t b = b0; b < b1; ++b) {  // a block's scores, in place of its -inf
           const int64_t in_super = b - sb * kSuper;
           const uint32_t* kw = reinterpret_cast<const uint32_t*>(kb[in_super]);
-          __m512 a[kRows];
+          __m512 a[R];
 #pragma GCC unroll 4
-          for (int r = 0; r < kRows; ++r) a[r] = _mm512_setzero_ps();
+          for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
           for (int64_t p = 0; p < D / 2; ++p) {
             const __m512bh kv = (__m512bh)_mm512_loadu_si512(kw + p * 16);
 #pragma GCC unroll 4
-            for (int r = 0; r < kRows; ++r)
+            for (int r = 0; r < R; ++r)
               a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qr[r][p])), kv);
           }
           const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(in_super * 16)));
           const __mmask16 sees = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(lo)), key) &
                                  _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(hi)), key);
 #pragma GCC unroll 4
-          for (int r = 0; r < kRows; ++r) {
+          for (int r = 0; r < R; ++r) {
             __m512 y = _mm512_mul_ps(a[r], scale);
             if (s.softcap > 0.0f) y = soft_cap16(y, s.softcap);
             x[r][in_super] = _mm512_mask_blend_ps(sees, ninf, y);
           }
           drip.ask(kDrip);
         }
-        float corr[kRows];
-        for (int64_t r = 0; r < rows; ++r) {
+        float corr[R];
+        for (int64_t r = 0; r < R; ++r) {
           const int64_t row = row0 + r;
           auto max = [](__m512 u, __m512 v) { return _mm512_max_ps(u, v); };
           const __m512 peak = _mm512_set1_ps(tree_reduce16(max(max(x[r][0], x[r][1]), max(x[r][2], x[r][3])), max));
@@ -340,7 +342,7 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
 #pragma GCC unroll 4
               for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_loadu_si512(vw + p * D + c0 + 16 * k);
 #pragma GCC unroll 4
-              for (int r = 0; r < kRows; ++r) {
+              for (int r = 0; r < R; ++r) {
                 const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(wp[r][in_super * 8 + p]));
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; ++k) pv[r][k] = _mm512_dpbf16_ps(pv[r][k], w, v[k]);
@@ -348,13 +350,21 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
             }
           }
           drip.ask(kDrip);
-          for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t r = 0; r < R; ++r) {
             float* a = acc.data() + (row0 + r) * D + c0;
             const __m512 cr = _mm512_set1_ps(corr[r]);
 #pragma GCC unroll 4
             for (int k = 0; k < 4; ++k)
               _mm512_storeu_ps(a + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * k), cr, pv[r][k]));
           }
+        }
+      };
+      for (int64_t r0 = 0; r0 < g; r0 += kRows) {
+        switch (std::min(kRows, g - r0)) {
+          case 4: group(r0, std::integral_constant<int, 4>{}); break;
+          case 3: group(r0, std::integral_constant<int, 3>{}); break;
+          case 2: group(r0, std::integral_constant<int, 2>{}); break;
+          default: group(r0, std::integral_constant<int, 1>{}); break;
         }
       }
       drip.rest();
