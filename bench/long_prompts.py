@@ -16,7 +16,7 @@ Every step of this workload carries at most N decodes beside its chunk.
 ``--workload FILE`` replays a workload file instead (offline-64: what the
 forms cost where prompts are short).
 
-    python bench/long_prompts.py [--forms amx avx512] [-n 8] [--prompt 3000] [--out 64]
+    python bench/long_prompts.py [--forms avx512bf16 avx512] [-n 8] [--prompt 3000] [--out 64]
                                  [--workload FILE] [--repeats N] [--extra "--max-step-ms 80"]
                                  [--json PATH]
 """
@@ -38,6 +38,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jitney.client.bench import WorkItem, load_workload, replay, summarize  # noqa: E402
+from jitney.worker.config import CPU_ATTENTION_CHOICES  # noqa: E402
+
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+
+
+def default_forms() -> list[str]:
+    """The tile unit's and the dot products' forms where this CPU has them, then avx512."""
+    return (["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS)
+            + ["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS) + ["avx512"])
 from jitney.scheduler.core.trace import read_trace  # noqa: E402
 from tests.support.server_harness import running_server  # noqa: E402
 
@@ -84,8 +93,9 @@ def run_one(form: str, items: list[WorkItem], extra: list[str], tmp: Path, turn:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--forms", nargs="+", default=["amx", "avx512"],
-                    choices=["auto", "amx", "avx512", "portable"], help="--cpu-attention values, in turns")
+    ap.add_argument("--forms", nargs="+", default=None, choices=CPU_ATTENTION_CHOICES,
+                    help="--cpu-attention values, in turns (default: every named form this CPU has, "
+                         "then avx512)")
     ap.add_argument("-n", type=int, default=8, help="prompts (default 8)")
     ap.add_argument("--prompt", type=int, default=3000, help="tokens a prompt (default 3000)")
     ap.add_argument("--out", type=int, default=64, help="tokens each generates (default 64)")
@@ -94,6 +104,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more `jitney serve` flags, one string")
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
+    ns.forms = ns.forms or default_forms()
     if min(ns.n, ns.prompt, ns.out, ns.repeats) < 1:
         ap.error("-n, --prompt, --out and --repeats must be at least 1")
     items = load_workload(ns.workload) if ns.workload else workload(ns.n, ns.prompt, ns.out)

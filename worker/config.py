@@ -19,7 +19,7 @@ DType = Literal["float32", "bfloat16", "float16", "auto"]
 Device = Literal["cpu", "cuda"]
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATION_CHOICES: tuple[Quantization, ...] = ("none", "int8", "int4")
-CPU_ATTENTION_CHOICES = ("auto", "amx", "avx512", "portable")  # cpu_kernels.set_attention_kernel's names
+CPU_ATTENTION_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "portable")  # cpu_kernels.set_attention_kernel's names
 
 DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
@@ -292,9 +292,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: on for the CPU, off on CUDA)")
     group.add_argument("--cpu-attention", dest="cpu_attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                        help="the CPU attention kernel: auto (avx512, or portable without AVX-512: the same "
-                            "bits), amx (AMX-BF16, bfloat16: 0.62x the wall of 8 x 3,000-token prompts, 0.93x "
-                            "offline-64's, but its own bits, batch-invariant still: replicas that must agree run "
-                            "it on all machines or none), avx512 or portable (default: auto)")
+                            "bits); amx (AMX-BF16: 0.62x the wall of 8 x 3,000-token prompts on a Xeon) and "
+                            "avx512bf16 (AVX-512 BF16 dot products: 0.73x on a Zen 5) take bfloat16, each with "
+                            "its own bits, batch-invariant still: replicas that must agree run the same one on "
+                            "all machines; avx512 or portable (default: auto)")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                        help="int8: weight-only int8 linear layers and head, per-channel scales computed at load; "
                             "about half the weight bytes per step. int4: the linear layers in 4 bits (a scale per "

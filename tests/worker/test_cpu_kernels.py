@@ -267,12 +267,12 @@ def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, heads: tuple[i
                     assert torch.equal(got[0], together[i]), (kernel, threads, i)
 
 
-def test_bf16_attention_runs_the_same_bits_on_every_cpu_unless_amx_is_named() -> None:
+def test_bf16_attention_runs_the_same_bits_on_every_cpu_unless_a_form_is_named() -> None:
     """No silent fallback: the server's default is the AVX-512 registers' form (the scalar
-    loops' bits) on any CPU with AVX-512, else the scalar loops. The tile form, named,
-    rounds the softmax's weights to bfloat16 before the values (its own bits): within a
-    bfloat16 rounding of the scalar loops' answer, partial blocks and NaN in unowned
-    slots included; a form the CPU lacks is refused."""
+    loops' bits) on any CPU with AVX-512, else the scalar loops. The tile unit's and the
+    dot products' forms, named, round the softmax's weights to bfloat16 before the values
+    (their own bits): within a bfloat16 rounding of the scalar loops' answer, partial
+    blocks and NaN in unowned slots included; a form the CPU lacks is refused."""
     kernel = cpu_kernels.attention_kernel()
     expected = "avx512" if "avx512f" in CPU_FLAGS else "portable"
     assert kernel == expected, f"bf16 attention runs in {kernel} on a CPU with {expected}"
@@ -299,8 +299,8 @@ def test_bf16_attention_runs_the_same_bits_on_every_cpu_unless_amx_is_named() ->
 
 def test_the_process_form_is_what_auto_runs_and_a_missing_one_is_refused() -> None:
     """--cpu-attention: set_attention_kernel makes "auto" (the server's layers) run the
-    named form, bit for bit, for bfloat16, and for float32 where the form takes it (amx:
-    float32 keeps its own fastest); "auto" restores the CPU's fastest; an unknown name or
+    named form, bit for bit, for bfloat16, and for float32 where the form takes it (amx,
+    avx512bf16: float32 keeps its own fastest); "auto" restores the CPU's fastest; an unknown name or
     a form this CPU lacks is refused and leaves the setting as it was."""
     fastest, have = cpu_kernels.attention_kernel(), attention_kernels(torch.bfloat16)
     seq_lens, query_lens = [1, 40, 200], [1, 40, 3]
@@ -318,7 +318,7 @@ def test_the_process_form_is_what_auto_runs_and_a_missing_one_is_refused() -> No
             cpu_kernels.set_attention_kernel(form)
             assert cpu_kernels.attention_kernel() == form
             assert torch.equal(run(torch.bfloat16, "auto"), run(torch.bfloat16, form)), form
-            want32 = float32_auto if form == "amx" else run(torch.float32, form)
+            want32 = float32_auto if form in ("amx", "avx512bf16") else run(torch.float32, form)
             assert torch.equal(run(torch.float32, "auto"), want32), form
         cpu_kernels.set_attention_kernel("portable")
         with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512 or portable"):

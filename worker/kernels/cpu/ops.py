@@ -162,12 +162,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Sequence ``i`` owns query rows ``[query_start_loc[i], query_start_loc[i+1])``,
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
     ``kernel``: the form every row of the call runs in. ``auto`` (what the server
-    runs): ``attention_kernel()``, for float32 too unless that is ``amx``. ``amx``: the
-    tile unit's (bfloat16 16-token blocks, head_dim 64 or 128); ``avx512``: 16-token
-    blocks with head_dim a multiple of 64 in AVX-512 registers, the scalar loops' bits;
-    ``portable``: the scalar loops only. Shapes a form does not cover run as under the
-    next one; a form this CPU lacks raises ``RuntimeError``. Each form's bits depend
-    only on a row's own inputs; ``amx``'s differ from the other two's.
+    runs): ``attention_kernel()``, for float32 too unless that takes bfloat16 only
+    (``amx``, ``avx512bf16``). ``amx``: the tile unit's (bfloat16 16-token blocks, head_dim
+    64 or 128); ``avx512bf16``: the same shapes by AVX-512 BF16 dot products
+    (``vdpbf16ps``), 16 query rows a register where a sequence has many, a token's rows
+    with the keys in the lanes; ``avx512``: 16-token blocks with head_dim a multiple of
+    64 in AVX-512 float32 registers, the scalar loops' bits; ``portable``: the scalar
+    loops only. Shapes a form does not cover run as under ``avx512``; a form this CPU
+    lacks raises ``RuntimeError``. Each form's bits depend only on a row's own inputs;
+    ``amx``'s and ``avx512bf16``'s are their own.
     ``window``: a query at position p sees keys ``[p - window + 1, p]``; the blocks
     wholly before the window of a sequence's first query are not read, nor their
     block-table entries. ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)``.
@@ -182,19 +185,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def attention_kernel() -> str:
     """The form ``kernel="auto"`` runs in this process: what ``set_attention_kernel`` named,
-    else ``avx512`` (``portable`` on a CPU without AVX-512; the same bits). ``amx`` is
-    only ever named: its bits differ from the others', while the bf16 linears give the
-    same bits on CPUs with and without AMX."""
+    else ``avx512`` (``portable`` on a CPU without AVX-512; the same bits). ``amx`` and
+    ``avx512bf16`` are only ever named: their bits are their own, while the bf16 linears
+    give the same bits on CPUs with and without AMX."""
     load()
     return str(torch.ops.jitney_cpu.attention_kernel())
 
 
 def set_attention_kernel(kernel: str) -> None:
     """Make ``kernel="auto"`` (the server's layers) run ``kernel`` in this process from now
-    on; ``auto`` restores the default (``attention_kernel``). ``amx`` is ~2.8x faster on a
-    long prompt's attention (bench/cpu_attention.py) but gives its own bits: replicas
-    that must agree bit for bit run it on every machine or on none. An unknown name, or a
-    form this CPU lacks, raises ``RuntimeError``."""
+    on; ``auto`` restores the default (``attention_kernel``). ``amx`` (~2.8x on a Xeon)
+    and ``avx512bf16`` (~2x on a Zen 5) are faster on a long prompt's attention
+    (bench/cpu_attention.py) but give their own bits: replicas that must agree bit for
+    bit run the same one on every machine. An unknown name, or a form this CPU lacks,
+    raises ``RuntimeError``."""
     load()
     torch.ops.jitney_cpu.set_attention_kernel(kernel)
 

@@ -59,6 +59,8 @@ class StepPrefetch {
       _mm_prefetch(runs_[next_ / kLines] + (next_ % kLines) * 64, _MM_HINT_T1);
   }
   void rest() { ask(count_ * kLines); }
+  // One of `parts` even shares of the step's lines.
+  void share(int64_t parts) { ask((count_ * kLines + parts - 1) / parts); }
 
  private:
   static constexpr int64_t kLines = 16 * D * 2 / 64;  // one block's K (or V) of one kv head

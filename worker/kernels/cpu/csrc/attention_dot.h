@@ -234,6 +234,9 @@ void attend_tile_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const a
 // for the rows, and each row's maxima and sums go across lanes (tree_reduce16, the
 // tile's tree). Same operations per (row, key) as attend_tile_dot, so the same bits
 // (tested: a decode's bits are its prefill's).
+// A token's steps are short: its blocks are asked for further ahead.
+constexpr int64_t kTokenStepsAhead = 4;
+
 template <int64_t D>
 void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                       const int64_t* table, at::BFloat16* out, int64_t t0, int64_t pos0, int64_t h0, int64_t h1,
@@ -256,16 +259,17 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
     item.keys_seen(0, sb, lo, hi);  // every row's
     for (int64_t h = h0; h < h1; ++h, ++step) {
       if (step == 0) {
-        for (int64_t i = 1; i < kStepsAhead; ++i) {
+        for (int64_t i = 1; i < kTokenStepsAhead; ++i) {
           item.prefetch(i, drip);
           drip.rest();
         }
       }
-      item.prefetch(step + kStepsAhead, drip);
+      item.prefetch(step + kTokenStepsAhead, drip);
       const at::BFloat16* kb[kSuper];
       const at::BFloat16* vb[kSuper];
       item.blocks(sb, h, kb, vb, v_last);
       if (lo >= hi) continue;
+      const int64_t asks = (g + kRows - 1) / kRows * (b1 - b0 + D / 64);  // the step's work, in pieces
       // g rows, R = 1..4 at a time (a decode's heads of one kv head; no lane of work wasted).
       auto group = [&](int64_t r0, auto rows_c) {
         constexpr int R = decltype(rows_c)::value;
@@ -299,7 +303,7 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
             if (s.softcap > 0.0f) y = soft_cap16(y, s.softcap);
             x[r][in_super] = _mm512_mask_blend_ps(sees, ninf, y);
           }
-          drip.ask(kDrip);
+          drip.share(asks);
         }
         float corr[R];
         for (int64_t r = 0; r < R; ++r) {
@@ -349,7 +353,7 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
               }
             }
           }
-          drip.ask(kDrip);
+          drip.share(asks);
           for (int64_t r = 0; r < R; ++r) {
             float* a = acc.data() + (row0 + r) * D + c0;
             const __m512 cr = _mm512_set1_ps(corr[r]);
