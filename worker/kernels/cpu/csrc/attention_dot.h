@@ -129,12 +129,17 @@ void attend_tile_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const a
         const int64_t r0 = tile * kDotRows, rows = std::min(kDotRows, per_head - r0);
         alignas(64) int32_t lo[kDotRows], hi[kDotRows];
         __mmask16 live = 0;
+        int64_t all_from = 0, all_to = kKeys;  // the keys every live row sees
         for (int64_t i = 0; i < kDotRows; ++i) {
           int64_t a = kKeys, b = 0;  // a lane past the tile's rows sees nothing
           if (i < rows) item.keys_seen(r0 + i, sb, a, b);
           lo[i] = static_cast<int32_t>(a);
           hi[i] = static_cast<int32_t>(b);
-          if (a < b) live |= static_cast<__mmask16>(1u << i);
+          if (a < b) {
+            live |= static_cast<__mmask16>(1u << i);
+            all_from = std::max(all_from, a);
+            all_to = std::min(all_to, b);
+          }
         }
         if (!live) continue;
         const __m512i lo_v = _mm512_load_si512(lo), hi_v = _mm512_load_si512(hi);
@@ -151,6 +156,16 @@ void attend_tile_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const a
           } else {
 #pragma GCC unroll 16
             for (int j = 0; j < 16; ++j) x[j] = _mm512_mul_ps(x[j], scale);
+          }
+          // Lanes that are not live rows are never stored: a block every live row sees whole
+          // needs no mask.
+          if (all_from <= in_super * 16 && all_to >= in_super * 16 + 16) {
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) {
+              _mm512_store_ps(sc + (in_super * 16 + j) * kDotRows, x[j]);
+              peak = _mm512_max_ps(peak, x[j]);
+            }
+            continue;
           }
 #pragma GCC unroll 16
           for (int j = 0; j < 16; ++j) {
