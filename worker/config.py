@@ -293,7 +293,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-attention", dest="cpu_attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                        help="the CPU attention kernel: auto (avx512, or portable without AVX-512: the same "
                             "bits); amx (AMX-BF16: 0.62x the wall of 8 x 3,000-token prompts on a Xeon) and "
-                            "avx512bf16 (AVX-512 BF16 dot products: 0.73x on a Zen 5) take bfloat16, each with "
+                            "avx512bf16 (AVX-512 BF16 dot products: 0.71-0.76x on a Zen 5) take bfloat16, each with "
                             "its own bits, batch-invariant still: replicas that must agree run the same one on "
                             "all machines; avx512 or portable (default: auto)")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
