@@ -24,7 +24,6 @@ forms cost where prompts are short).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
@@ -37,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jitney.client.bench import WorkItem, load_workload, replay, summarize  # noqa: E402
+from jitney.client.bench import WorkItem, load_workload, summarize  # noqa: E402
 from jitney.worker.config import CPU_ATTENTION_CHOICES  # noqa: E402
 
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
@@ -48,7 +47,7 @@ def default_forms() -> list[str]:
     return (["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS)
             + ["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS) + ["avx512"])
 from jitney.scheduler.core.trace import read_trace  # noqa: E402
-from tests.support.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import replay_on_fresh_server  # noqa: E402
 
 SHORT_KEYS, LONG_KEYS = 512, 2500
 
@@ -78,11 +77,7 @@ def prefill_rates(trace: list[dict[str, Any]]) -> dict[str, float]:
 def run_one(form: str, items: list[WorkItem], extra: list[str], tmp: Path, turn: int) -> dict[str, Any]:
     trace = tmp / f"long-{form}-{turn}.jsonl"
     args = ["--cpu-attention", form, "--trace", str(trace), *extra]
-    with running_server(args, tmp) as server:
-        outcomes, wall = asyncio.run(replay(server.target, items, None, show_progress=False))
-        log = server.log()
-    if "Traceback" in log:
-        raise RuntimeError(f"--cpu-attention {form}: the server logged a traceback:\n{log[-4000:]}")
+    outcomes, wall = replay_on_fresh_server(args, items, tmp, f"--cpu-attention {form}")
     summary = summarize(outcomes, wall)
     ms = lambda d, p: round(1000 * d[p], 1)   # noqa: E731
     return {"wall_s": round(wall, 3), "errors": summary["errors"],

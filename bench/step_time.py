@@ -30,7 +30,6 @@ requests of each workload (a short check; numbers from it are noise).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import statistics
@@ -41,9 +40,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jitney.client.bench import load_workload, replay, summarize  # noqa: E402
+from jitney.client.bench import load_workload, summarize  # noqa: E402
 from jitney.scheduler.core.trace import read_trace  # noqa: E402
-from tests.support.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import replay_on_fresh_server  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 NAMES = ("offline-64", "online-64")
@@ -87,11 +86,7 @@ def run_one(name: str, target_ms: float, model: str | None, limit: int | None, t
     items = load_workload(WORKLOADS / f"{name}.jsonl")[:limit]
     trace = tmp / f"{name}-{target_ms:g}-{turn}.jsonl"
     args = ["--max-step-ms", f"{target_ms:g}", "--trace", str(trace)] + (["--model", model] if model else [])
-    with running_server(args, tmp) as server:
-        outcomes, wall = asyncio.run(replay(server.target, items, None, show_progress=False))
-        log = server.log()
-    if "Traceback" in log:
-        raise RuntimeError(f"{name} --max-step-ms {target_ms:g}: the server logged a traceback:\n{log[-4000:]}")
+    outcomes, wall = replay_on_fresh_server(args, items, tmp, f"{name} --max-step-ms {target_ms:g}")
     summary = summarize(outcomes, wall)
     gaps = [b - a for o in outcomes for a, b in zip(o.token_times, o.token_times[1:])]
     return {

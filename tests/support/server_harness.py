@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -127,6 +128,21 @@ def running_server(args: list[str], log_dir: Path, *, command: str = "serve",
     finally:
         server.close()
         _stop(proc)
+
+
+def replay_on_fresh_server(args: list[str], items: list[Any], log_dir: Path, what: str) -> tuple[list[Any], float]:
+    """``items`` (``jitney.client.bench.WorkItem``) replayed by `jitney bench`'s client on a fresh
+    ``jitney serve args``: the outcomes and the wall seconds. A traceback in the server's log
+    raises, named by ``what``."""
+    import asyncio
+
+    from jitney.client.bench import replay
+    with running_server(args, log_dir) as server:
+        outcomes, wall = asyncio.run(replay(server.target, items, None, show_progress=False))
+        log = server.log()
+    if "Traceback" in log:
+        raise RuntimeError(f"{what}: the server logged a traceback:\n{log[-4000:]}")
+    return outcomes, wall
 
 
 def _wait_serving(server: Server, timeout: float) -> None:

@@ -133,104 +133,91 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const a
   StepPrefetch<D> drip;
   const __m512 scale = _mm512_set1_ps(s.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t step = 0;
-  for (int64_t sb = item.sb_first; sb < item.sb_end; ++sb) {
-    const int64_t b0 = item.b0(sb), b1 = item.b1(sb);
-    for (int64_t h = h0; h < h1; ++h, ++step) {
-      if (step == 0) {  // the first steps now; later, each step's work asks for the one kStepsAhead on
-        for (int64_t i = 1; i < kStepsAhead; ++i) {
-          item.prefetch(i, drip);
-          drip.rest();
-        }
+  item.each_step(kStepsAhead, drip, v_last,
+                 [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
+                     const at::BFloat16* const* vb) {
+    for (int64_t r0 = 0; r0 < per_head; r0 += kAmxRows) {
+      const int64_t rows = std::min(kAmxRows, per_head - r0);
+      // Row i's keys of the superblock, [lo, hi) (none: hi <= lo).
+      uint64_t seen[kAmxRows];
+      bool any = false;
+      for (int64_t i = 0; i < rows; ++i) {
+        int64_t lo, hi;
+        item.keys_seen(r0 + i, sb, lo, hi);
+        seen[i] = lo >= hi ? 0 : (hi == 64 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1);
+        any |= seen[i] != 0;
       }
-      item.prefetch(step + kStepsAhead, drip);
-      const at::BFloat16* kb[kSuper];
-      const at::BFloat16* vb[kSuper];
-      item.blocks(sb, h, kb, vb, v_last);
-      for (int64_t r0 = 0; r0 < per_head; r0 += kAmxRows) {
-        const int64_t rows = std::min(kAmxRows, per_head - r0);
-        // Row i's keys of the superblock, [lo, hi) (none: hi <= lo).
-        uint64_t seen[kAmxRows];
-        bool any = false;
-        for (int64_t i = 0; i < rows; ++i) {
-          int64_t lo, hi;
-          item.keys_seen(r0 + i, sb, lo, hi);
-          seen[i] = lo >= hi ? 0 : (hi == 64 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1);
-          any |= seen[i] != 0;
+      if (!any) continue;
+      tiles.rows(rows);
+      const int64_t head_row = (h - h0) * per_head + r0;
+      const at::BFloat16* qr = qb.data() + head_row * D;
+      constexpr int64_t qs = D * sizeof(at::BFloat16);
+      constexpr int64_t ss = kKeys * sizeof(float);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t in_super = b - sb * kSuper;
+        block_scores<D>(static_cast<int>(in_super), qr, qs, kb[in_super], sc + in_super * 16, ss);
+        drip.ask(kDrip);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        if (!seen[i]) continue;
+        __m512 x[kSuper];
+        __mmask16 valid[kSuper];
+        __m512 masked[kSuper];
+#pragma GCC unroll 4
+        for (int64_t b = 0; b < kSuper; ++b) {
+          x[b] = _mm512_mul_ps(_mm512_load_ps(sc + i * kKeys + b * 16), scale);
+          valid[b] = static_cast<__mmask16>(seen[i] >> (16 * b));
         }
-        if (!any) continue;
-        tiles.rows(rows);
-        const int64_t head_row = (h - h0) * per_head + r0;
-        const at::BFloat16* qr = qb.data() + head_row * D;
-        constexpr int64_t qs = D * sizeof(at::BFloat16);
-        constexpr int64_t ss = kKeys * sizeof(float);
+        if (s.softcap > 0.0f) {
+#pragma GCC unroll 4
+          for (int64_t b = 0; b < kSuper; ++b) x[b] = soft_cap16(x[b], s.softcap);
+        }
+#pragma GCC unroll 4
+        for (int64_t b = 0; b < kSuper; ++b) masked[b] = _mm512_mask_blend_ps(valid[b], ninf, x[b]);
+        auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(b, a); };
+        const float peak = tree_reduce16(max(max(masked[0], masked[1]), max(masked[2], masked[3])), max);
+        float& mr = m[head_row + i];
+        const float m_new = std::max(mr, peak);
+        corr[i] = exp_nonpositive(mr - m_new);
+        const __m512 top = _mm512_set1_ps(m_new);
+        __m512 rounded[kSuper];
+#pragma GCC unroll 4
+        for (int64_t b = 0; b < kSuper; ++b) {
+          const __m256bh wb = _mm512_cvtneps_pbh(exp_weight16(_mm512_sub_ps(masked[b], top)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w + i * kKeys + b * 16), (__m256i)wb);
+          rounded[b] = widen_bf16(wb);
+        }
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(rounded[0], rounded[1]), _mm512_add_ps(rounded[2], rounded[3]));
+        float& lr = l[head_row + i];
+        lr = fmaf(lr, corr[i], tree_reduce16(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+        mr = m_new;
+        drip.ask(kDrip);
+      }
+      for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {  // four tiles of 16 columns a pass
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int64_t b = b0; b < b1; ++b) {
-          const int64_t in_super = b - sb * kSuper;
-          block_scores<D>(static_cast<int>(in_super), qr, qs, kb[in_super], sc + in_super * 16, ss);
+          block_values<D>(w + (b - sb * kSuper) * 16, vb[b - sb * kSuper] + c0 * 32);
           drip.ask(kDrip);
         }
-        for (int64_t i = 0; i < rows; ++i) {
-          if (!seen[i]) continue;
-          __m512 x[kSuper];
-          __mmask16 valid[kSuper];
-          __m512 masked[kSuper];
-#pragma GCC unroll 4
-          for (int64_t b = 0; b < kSuper; ++b) {
-            x[b] = _mm512_mul_ps(_mm512_load_ps(sc + i * kKeys + b * 16), scale);
-            valid[b] = static_cast<__mmask16>(seen[i] >> (16 * b));
-          }
-          if (s.softcap > 0.0f) {
-#pragma GCC unroll 4
-            for (int64_t b = 0; b < kSuper; ++b) x[b] = soft_cap16(x[b], s.softcap);
-          }
-#pragma GCC unroll 4
-          for (int64_t b = 0; b < kSuper; ++b) masked[b] = _mm512_mask_blend_ps(valid[b], ninf, x[b]);
-          auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(b, a); };
-          const float peak = tree_reduce16(max(max(masked[0], masked[1]), max(masked[2], masked[3])), max);
-          float& mr = m[head_row + i];
-          const float m_new = std::max(mr, peak);
-          corr[i] = exp_nonpositive(mr - m_new);
-          const __m512 top = _mm512_set1_ps(m_new);
-          __m512 rounded[kSuper];
-#pragma GCC unroll 4
-          for (int64_t b = 0; b < kSuper; ++b) {
-            const __m256bh wb = _mm512_cvtneps_pbh(exp_weight16(_mm512_sub_ps(masked[b], top)));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(w + i * kKeys + b * 16), (__m256i)wb);
-            rounded[b] = widen_bf16(wb);
-          }
-          const __m512 sum = _mm512_add_ps(_mm512_add_ps(rounded[0], rounded[1]), _mm512_add_ps(rounded[2], rounded[3]));
-          float& lr = l[head_row + i];
-          lr = fmaf(lr, corr[i], tree_reduce16(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
-          mr = m_new;
-          drip.ask(kDrip);
-        }
-        for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {  // four tiles of 16 columns a pass
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t b = b0; b < b1; ++b) {
-            block_values<D>(w + (b - sb * kSuper) * 16, vb[b - sb * kSuper] + c0 * 32);
-            drip.ask(kDrip);
-          }
-          float* pc = pv + c0 * 16;
-          _tile_stored(0, pc, D * sizeof(float));
-          _tile_stored(1, pc + 16, D * sizeof(float));
-          _tile_stored(2, pc + 32, D * sizeof(float));
-          _tile_stored(3, pc + 48, D * sizeof(float));
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          if (!seen[i]) continue;
-          float* a = acc.data() + (head_row + i) * D;
-          const __m512 cr = _mm512_set1_ps(corr[i]);
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < D; c += 16)
-            _mm512_storeu_ps(a + c, _mm512_fmadd_ps(_mm512_loadu_ps(a + c), cr, _mm512_load_ps(pv + i * D + c)));
-        }
+        float* pc = pv + c0 * 16;
+        _tile_stored(0, pc, D * sizeof(float));
+        _tile_stored(1, pc + 16, D * sizeof(float));
+        _tile_stored(2, pc + 32, D * sizeof(float));
+        _tile_stored(3, pc + 48, D * sizeof(float));
       }
-      drip.rest();
+      for (int64_t i = 0; i < rows; ++i) {
+        if (!seen[i]) continue;
+        float* a = acc.data() + (head_row + i) * D;
+        const __m512 cr = _mm512_set1_ps(corr[i]);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < D; c += 16)
+          _mm512_storeu_ps(a + c, _mm512_fmadd_ps(_mm512_loadu_ps(a + c), cr, _mm512_load_ps(pv + i * D + c)));
+      }
     }
-  }
+  });
   item.finish(out);
 }
 
