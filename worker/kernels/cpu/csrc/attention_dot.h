@@ -20,8 +20,9 @@
 namespace jitney_cpu {
 namespace attention {
 
-// The dot-product form (bfloat16, 16-token blocks, head_dim 64 or 128): vdpbf16ps
-// multiplies bfloat16 pairs into float32 at twice the float32 FMA's rate. Keys go by
+// The dot-product form (bfloat16, 16-token blocks, head_dim 64 or 128): one vdpbf16ps
+// adds two bfloat16 products a lane into float32, at the pace of one float32 FMA (Zen 5:
+// twice the multiply-adds of the avx512 form's FMAs a cycle). Keys go by
 // superblocks as in the tile unit's form (keys 64s .. 64s + 63), and the rows of a kv
 // head by tiles of 16, one row a lane, so that the softmax's maxima and sums run across
 // keys in registers instead of across a register's lanes. A row's arithmetic is its
