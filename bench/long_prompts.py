@@ -37,16 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jitney.client.bench import WorkItem, load_workload, summarize  # noqa: E402
-from jitney.worker.config import CPU_ATTENTION_CHOICES  # noqa: E402
-
-CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-
-
-def default_forms() -> list[str]:
-    """The tile unit's and the dot products' forms where this CPU has them, then avx512."""
-    return (["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS)
-            + ["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS) + ["avx512"])
 from jitney.scheduler.core.trace import read_trace  # noqa: E402
+from jitney.worker.config import CPU_ATTENTION_CHOICES  # noqa: E402
+from tests.support.attention_cases import named_forms  # noqa: E402
 from tests.support.server_harness import replay_on_fresh_server  # noqa: E402
 
 SHORT_KEYS, LONG_KEYS = 512, 2500
@@ -99,7 +92,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more `jitney serve` flags, one string")
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
-    ns.forms = ns.forms or default_forms()
+    ns.forms = ns.forms or [*named_forms(), "avx512"]
     if min(ns.n, ns.prompt, ns.out, ns.repeats) < 1:
         ap.error("-n, --prompt, --out and --repeats must be at least 1")
     items = load_workload(ns.workload) if ns.workload else workload(ns.n, ns.prompt, ns.out)

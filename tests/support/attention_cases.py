@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch

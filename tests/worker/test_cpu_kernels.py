@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.attention_cases import named_forms
 from tests.support.invariance_driver import torch_threads
 from jitney.worker.kernels.cpu import ops as cpu_kernels
 from jitney.worker.attention.backend import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout
@@ -238,9 +239,7 @@ CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinf
 def attention_kernels(dtype: torch.dtype) -> list[str]:
     """Every form paged_attention can run ``dtype`` in on this CPU (amx, avx512bf16: bfloat16 only)."""
     have = ["portable"] + ["avx512"] * ("avx512f" in CPU_FLAGS)
-    bf16 = dtype == torch.bfloat16
-    return (have + ["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS and bf16)
-            + ["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS and bf16))
+    return have + named_forms() * (dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -315,7 +315,8 @@ Form pick_form(const std::string& kernel, bool bf16) {
   } else if (kernel == "avx512") {
     f = Form::kAvx512;
   } else {
-    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512bf16, avx512 or portable, got \"", kernel, "\"");
+    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512bf16, avx512 or portable, got \"",
+                kernel, "\"");
     f = Form::kPortable;
   }
   TORCH_CHECK(f != Form::kAmx || amx_usable(), "the amx attention kernel needs AMX-BF16, which this CPU ",

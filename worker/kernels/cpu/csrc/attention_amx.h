@@ -126,16 +126,11 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const a
   alignas(64) float sc[kAmxRows * kKeys];
   alignas(64) at::BFloat16 w[kAmxRows * kKeys];
   alignas(64) float pv[kAmxRows * D];
-  alignas(64) at::BFloat16 v_last[BS * D];
   float corr[kAmxRows];
-  // The next step's blocks are asked for into L1 (64-dim heads; L2 for 128: two
-  // steps would not fit), the one after into L2.
-  StepPrefetch<D> drip;
   const __m512 scale = _mm512_set1_ps(s.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  item.each_step(kStepsAhead, drip, v_last,
-                 [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
-                     const at::BFloat16* const* vb) {
+  item.each_step(kStepsAhead, [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
+                              const at::BFloat16* const* vb, StepPrefetch<D>& drip) {
     for (int64_t r0 = 0; r0 < per_head; r0 += kAmxRows) {
       const int64_t rows = std::min(kAmxRows, per_head - r0);
       // Row i's keys of the superblock, [lo, hi) (none: hi <= lo).

@@ -177,31 +177,26 @@ struct SuperItem {
       into.add(reinterpret_cast<const char*>(v_cache + (tb[b] * s.num_kv_heads + h) * kRun));
     }
   }
-  // Step `step` (superblock sb, kv head h) begins: the first asks for steps 1 .. ahead - 1
-  // at once, every step for the one `ahead` on (to be asked for among its work by drip);
-  // then the step's blocks, as blocks() gives them.
-  void begin(int64_t step, int64_t ahead, int64_t sb, int64_t h, StepPrefetch<D>& drip, const at::BFloat16** kb,
-             const at::BFloat16** vb, at::BFloat16* v_last) const {
-    if (step == 0) {
-      for (int64_t i = 1; i < ahead; ++i) {
-        prefetch(i, drip);
-        drip.rest();
-      }
-    }
-    prefetch(step + ahead, drip);
-    blocks(sb, h, kb, vb, v_last);
-  }
-  // Every step in order (superblocks, then kv heads): begin(), f(sb, h, b0, b1, kb, vb) with
-  // the blocks [b0, b1) it reads, then the rest of the step's prefetch.
+  // Every step in order (superblocks, then kv heads): f(sb, h, b0, b1, kb, vb, drip) with the
+  // blocks [b0, b1) it reads (blocks()) and the prefetch of the step `ahead` on, to be asked
+  // for among its work (the rest after it). The first step asks for steps 1 .. ahead - 1 at
+  // once.
   template <typename F>
-  void each_step(int64_t ahead, StepPrefetch<D>& drip, at::BFloat16* v_last, F&& f) const {
+  void each_step(int64_t ahead, F&& f) const {
+    StepPrefetch<D> drip;
+    alignas(64) at::BFloat16 v_last[BS * D];
+    for (int64_t i = 1; i < ahead; ++i) {
+      prefetch(i, drip);
+      drip.rest();
+    }
     int64_t step = 0;
     for (int64_t sb = sb_first; sb < sb_end; ++sb) {
       for (int64_t h = h0; h < h1; ++h, ++step) {
+        prefetch(step + ahead, drip);
         const at::BFloat16* kb[kSuper];
         const at::BFloat16* vb[kSuper];
-        begin(step, ahead, sb, h, drip, kb, vb, v_last);
-        f(sb, h, b0(sb), b1(sb), kb, vb);
+        blocks(sb, h, kb, vb, v_last);
+        f(sb, h, b0(sb), b1(sb), kb, vb, drip);
         drip.rest();
       }
     }

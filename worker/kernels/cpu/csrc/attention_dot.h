@@ -12,6 +12,7 @@
 #include "exp.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -114,7 +115,8 @@ void attend_tile_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const a
   qt.assign(item.heads * tiles * kPairs * kDotRows, 0);
   for (int64_t row = 0; row < item.nq; ++row) {
     const int64_t in_head = row % per_head;
-    uint32_t* dst = qt.data() + ((row / per_head) * tiles + in_head / kDotRows) * kPairs * kDotRows + in_head % kDotRows;
+    uint32_t* dst =
+        qt.data() + ((row / per_head) * tiles + in_head / kDotRows) * kPairs * kDotRows + in_head % kDotRows;
     const uint32_t* src = reinterpret_cast<const uint32_t*>(q + item.offset(row));
     for (int64_t p = 0; p < kPairs; ++p) dst[p * kDotRows] = src[p];
   }
@@ -122,13 +124,10 @@ void attend_tile_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const a
   alignas(64) float sc[kKeys * kDotRows];     // key j's scores at [16 j, 16 j + 16), lanes: rows
   alignas(64) uint32_t wp[kKeys / 2 * kDotRows];  // key pair p's weights at [16 p, 16 p + 16)
   alignas(64) float corr[kDotRows];
-  alignas(64) at::BFloat16 v_last[BS * D];
-  StepPrefetch<D> drip;
   const __m512 scale = _mm512_set1_ps(s.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  item.each_step(kStepsAhead, drip, v_last,
-                 [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
-                     const at::BFloat16* const* vb) {
+  item.each_step(kStepsAhead, [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
+                              const at::BFloat16* const* vb, StepPrefetch<D>& drip) {
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t r0 = tile * kDotRows, rows = std::min(kDotRows, per_head - r0);
       alignas(64) int32_t lo[kDotRows], hi[kDotRows];
@@ -238,14 +237,14 @@ void attend_tile_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const a
 }
 
 
+// A token's steps are short: its blocks are asked for further ahead.
+constexpr int64_t kTokenStepsAhead = 4;
+
 // A decode's rows (one token: each of its kv heads' g query heads sees the same keys) in
 // the same arithmetic with the keys in a register's lanes: a block's K row p is read once
 // for the rows, and each row's maxima and sums go across lanes (tree_reduce16, the
 // tile's tree). Same operations per (row, key) as attend_tile_dot, so the same bits
 // (tested: a decode's bits are its prefill's).
-// A token's steps are short: its blocks are asked for further ahead.
-constexpr int64_t kTokenStepsAhead = 4;
-
 template <int64_t D>
 void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                       const int64_t* table, at::BFloat16* out, int64_t t0, int64_t pos0, int64_t h0, int64_t h1,
@@ -256,14 +255,11 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
   const int64_t g = item.g;
   item.start();
   alignas(64) uint32_t wp[kRows][kKeys / 2];  // a row's weight pairs, the superblock's keys in order
-  alignas(64) at::BFloat16 v_last[BS * D];
-  StepPrefetch<D> drip;
   const __m512 scale = _mm512_set1_ps(s.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  item.each_step(kTokenStepsAhead, drip, v_last,
-                 [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
-                     const at::BFloat16* const* vb) {
+  item.each_step(kTokenStepsAhead, [&](int64_t sb, int64_t h, int64_t b0, int64_t b1, const at::BFloat16* const* kb,
+                              const at::BFloat16* const* vb, StepPrefetch<D>& drip) {
     int64_t lo, hi;
     item.keys_seen(0, sb, lo, hi);  // every row's
     if (lo >= hi) return;
@@ -310,7 +306,7 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
         const __m512 peak = _mm512_set1_ps(tree_reduce16(max(max(x[r][0], x[r][1]), max(x[r][2], x[r][3])), max));
         const __m512 m_prev = _mm512_set1_ps(m[row]);
         const __m512 m_new = _mm512_max_ps(m_prev, peak);
-        corr[r] = _mm512_cvtss_f32(exp_nonpositive16(_mm512_sub_ps(m_prev, m_new)));
+        corr[r] = exp_nonpositive(m[row] - _mm512_cvtss_f32(m_new));  // exp_nonpositive16's bits
         __m512 rounded[kSuper];
 #pragma GCC unroll 4
         for (int64_t in_super = 0; in_super < kSuper; ++in_super) {
@@ -325,8 +321,7 @@ void attend_token_dot(const at::BFloat16* q, const at::BFloat16* k_cache, const 
         }
         const __m512 sum = _mm512_add_ps(_mm512_add_ps(rounded[0], rounded[1]), _mm512_add_ps(rounded[2], rounded[3]));
         const float total = tree_reduce16(sum, [](__m512 u, __m512 v) { return _mm512_add_ps(u, v); });
-        l[row] = _mm512_cvtss_f32(_mm512_fmadd_ps(_mm512_set1_ps(l[row]), _mm512_set1_ps(corr[r]),
-                                                  _mm512_set1_ps(total)));
+        l[row] = fmaf(l[row], corr[r], total);
         m[row] = _mm512_cvtss_f32(m_new);
       }
       for (int64_t c0 = 0; c0 < D; c0 += 64) {
