@@ -26,16 +26,27 @@ CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinf
 
 
 def named_forms() -> list[str]:
-    """The CPU attention kernel's forms with bits of their own that this CPU runs when
-    named (--cpu-attention; bfloat16 only): the dot-product and the tile-unit forms."""
+    """The CPU attention kernel's forms with bits of their own (not the scalar loops') that
+    this CPU runs (bfloat16 only): the dot-product form (what ``auto`` runs for bfloat16
+    where the CPU has AVX-512 BF16) and the tile-unit form (named only)."""
     return (["avx512bf16"] * ("avx512_bf16" in CPU_FLAGS)
             + ["amx"] * ({"amx_bf16", "avx512_bf16"} <= CPU_FLAGS))
 
 
+def auto_bf16_form() -> str:
+    """The form ``auto`` runs bfloat16 in on this CPU: the dot products' where it has
+    AVX-512 BF16, else the AVX-512 registers', else the scalar loops."""
+    if "avx512_bf16" in CPU_FLAGS:
+        return "avx512bf16"
+    return "avx512" if "avx512f" in CPU_FLAGS else "portable"
+
+
 def dtype_forms() -> list[tuple[torch.dtype, str]]:
     """(dtype, form) pairs to run a test of the invariant CPU backend in: both dtypes in
-    the default form, and bfloat16 in every named form."""
-    return [(torch.float32, "auto"), (torch.bfloat16, "auto")] + [(torch.bfloat16, f) for f in named_forms()]
+    the default form, and bfloat16 in every other form with bits of its own (avx512, whose
+    bits are the scalar loops', where auto runs another)."""
+    others = [f for f in ["avx512"] * ("avx512f" in CPU_FLAGS) + named_forms() if f != auto_bf16_form()]
+    return [(torch.float32, "auto"), (torch.bfloat16, "auto")] + [(torch.bfloat16, f) for f in others]
 
 
 @contextlib.contextmanager

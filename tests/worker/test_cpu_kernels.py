@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.attention_cases import named_forms
+from tests.support.attention_cases import auto_bf16_form, named_forms
 from tests.support.invariance_driver import torch_threads
 from jitney.worker.kernels.cpu import ops as cpu_kernels
 from jitney.worker.attention.backend import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout
@@ -266,14 +266,15 @@ def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, heads: tuple[i
                     assert torch.equal(got[0], together[i]), (kernel, threads, i)
 
 
-def test_bf16_attention_runs_the_same_bits_on_every_cpu_unless_a_form_is_named() -> None:
-    """No silent fallback: the server's default is the AVX-512 registers' form (the scalar
-    loops' bits) on any CPU with AVX-512, else the scalar loops. The tile unit's and the
-    dot products' forms, named, round the softmax's weights to bfloat16 before the values
-    (their own bits): within a bfloat16 rounding of the scalar loops' answer, partial
-    blocks and NaN in unowned slots included; a form the CPU lacks is refused."""
+def test_bf16_attention_runs_the_cpus_form_unless_one_is_named() -> None:
+    """No silent fallback: the server's default for bfloat16 is the dot products' form on
+    any CPU with AVX-512 BF16, else the AVX-512 registers' form (the scalar loops' bits),
+    else the scalar loops. The tile unit's and the dot products' forms round the softmax's
+    weights to bfloat16 before the values (their own bits): within a bfloat16 rounding of
+    the scalar loops' answer, partial blocks and NaN in unowned slots included; a form the
+    CPU lacks is refused."""
     kernel = cpu_kernels.attention_kernel()
-    expected = "avx512" if "avx512f" in CPU_FLAGS else "portable"
+    expected = auto_bf16_form()
     assert kernel == expected, f"bf16 attention runs in {kernel} on a CPU with {expected}"
     for heads in [(9, 3, 64), (8, 2, 128)]:
         seq_lens, query_lens = [1, 16, 17, 200, 33, 100, 31], [1, 16, 1, 1, 33, 40, 20]
@@ -294,6 +295,32 @@ def test_bf16_attention_runs_the_same_bits_on_every_cpu_unless_a_form_is_named()
                                     meta.seq_lens, meta.query_start_loc, 0.125, "amx")
     with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512 or portable"):
         cpu_kernels.paged_attention(*args, "fast")
+
+
+@pytest.mark.skipif("avx512_bf16" not in CPU_FLAGS, reason="no AVX-512 BF16 on this CPU")
+def test_vdpbf16ps_is_the_manuals_arithmetic() -> None:
+    """The default bfloat16 attention's bits are the same on every CPU with AVX-512 BF16
+    only if each one's vdpbf16ps computes what Intel's manual sets down: per lane, the
+    high pair's product added and rounded to nearest even, then the low pair's (bfloat16
+    products are exact in float32). Checked bit for bit on lanes whose exponents spread
+    far enough that the other plausible orders (the low pair first, one rounding of the
+    whole sum) give other bits on many of them."""
+    gen = torch.Generator().manual_seed(7)
+    n = 1 << 16
+
+    def spread(*shape: int) -> torch.Tensor:   # normal numbers over 2^-12 .. 2^12
+        return torch.randn(*shape, generator=gen) * torch.exp2(torch.randint(-12, 13, shape, generator=gen).float())
+
+    acc, a, b = spread(n), spread(n, 2).bfloat16(), spread(n, 2).bfloat16()
+    p = a.float() * b.float()   # exact
+    manual = (acc + p[:, 1]) + p[:, 0]
+    got = cpu_kernels.dot_bf16_pairs(acc, a, b)
+    differ = int((got.view(torch.int32) != manual.view(torch.int32)).sum())
+    assert differ == 0, f"vdpbf16ps differs from the manual's arithmetic on {differ} of {n} lanes"
+    low_first = (acc + p[:, 0]) + p[:, 1]
+    once = (acc.double() + p[:, 1].double() + p[:, 0].double()).float()
+    for other in (low_first, once):
+        assert int((other.view(torch.int32) != manual.view(torch.int32)).sum()) > n // 100
 
 
 def test_the_process_form_is_what_auto_runs_and_a_missing_one_is_refused() -> None:

@@ -163,7 +163,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
     ``kernel``: the form every row of the call runs in. ``auto`` (what the server
     runs): ``attention_kernel()``, for float32 too unless that takes bfloat16 only
-    (``amx``, ``avx512bf16``). ``amx``: the tile unit's (bfloat16 16-token blocks, head_dim
+    (``amx``, ``avx512bf16``: float32 then runs ``avx512``, or ``portable``). ``amx``: the tile unit's (bfloat16 16-token blocks, head_dim
     64 or 128); ``avx512bf16``: the same shapes by AVX-512 BF16 dot products
     (``vdpbf16ps``), 16 query rows a register where a sequence has many, a token's rows
     with the keys in the lanes; ``avx512``: 16-token blocks with head_dim a multiple of
@@ -184,20 +184,30 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def attention_kernel() -> str:
-    """The form ``kernel="auto"`` runs in this process: what ``set_attention_kernel`` named,
-    else ``avx512`` (``portable`` on a CPU without AVX-512; the same bits). ``amx`` and
-    ``avx512bf16`` are only ever named: their bits are their own, while the bf16 linears
-    give the same bits on CPUs with and without AMX."""
+    """The form ``kernel="auto"`` runs bfloat16 in, in this process: what
+    ``set_attention_kernel`` named, else ``avx512bf16`` on a CPU with AVX-512 BF16 (whose
+    ``vdpbf16ps`` computes what Intel's manual sets down, so such CPUs agree:
+    ``dot_bf16_pairs``), else ``avx512`` (``portable`` on a CPU without AVX-512; the same
+    bits). ``amx`` is only ever named: its bits are its own."""
     load()
     return str(torch.ops.jitney_cpu.attention_kernel())
 
 
+def dot_bf16_pairs(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc (n,)`` float32 plus each lane's two bfloat16 products ``a (n, 2) * b (n, 2)`` by
+    the CPU's ``vdpbf16ps``, the one instruction of the ``avx512bf16`` form whose rounding
+    is not plain IEEE arithmetic; ``RuntimeError`` without AVX-512 BF16."""
+    load()
+    out: torch.Tensor = torch.ops.jitney_cpu.dot_bf16_pairs(acc, a, b)
+    return out
+
+
 def set_attention_kernel(kernel: str) -> None:
     """Make ``kernel="auto"`` (the server's layers) run ``kernel`` in this process from now
-    on; ``auto`` restores the default (``attention_kernel``). ``amx`` (~2.8x on a Xeon)
-    and ``avx512bf16`` (~2x on a Zen 5) are faster on a long prompt's attention
-    (bench/cpu_attention.py) but give their own bits: replicas that must agree bit for
-    bit run the same one on every machine. An unknown name, or a form this CPU lacks,
+    on; ``auto`` restores the default (``attention_kernel``). ``amx`` (~2.8x ``avx512``
+    on a Xeon) and ``avx512bf16`` (~2x on a Zen 5) are faster on a long prompt's
+    attention (bench/cpu_attention.py) and give their own bits: replicas that must agree
+    bit for bit run the same one on every machine. An unknown name, or a form this CPU lacks,
     raises ``RuntimeError``."""
     load()
     torch.ops.jitney_cpu.set_attention_kernel(kernel)

@@ -12,9 +12,11 @@
 // its sequence's cache blocks, its position), never on how many rows share the
 // call, where the row sits in it or how the rows are split among threads.
 //
-// A call runs in one of three forms (kernel="auto": avx512 where the CPU has it,
-// or what set_attention_kernel named): "amx", bfloat16 16-token blocks of
-// head_dim 64 or 128 on the tile unit (attention_amx.h: its own arithmetic, the same for every row); "avx512",
+// A call runs in one of four forms (kernel="auto": what set_attention_kernel named,
+// else avx512bf16 for bfloat16 where the CPU has it, else avx512 where it has that):
+// "amx", bfloat16 16-token blocks of head_dim 64 or 128 on the tile unit
+// (attention_amx.h: its own arithmetic, the same for every row); "avx512bf16", the
+// same shapes by AVX-512 BF16 dot products (attention_dot.h); "avx512",
 // 16-token blocks with head_dim a multiple of 64 running the scalar loops'
 // operations in AVX-512 registers (tests compare the bits; other shapes take
 // the loops); "portable", the scalar loops only. In every form the next blocks
@@ -297,18 +299,21 @@ const char* form_name(Form f) {
 // that must agree bit for bit names the one they share.
 std::atomic<int> g_auto_form{-1};
 
-// "auto": the process's form where one was set (amx for bfloat16 only: float32 then
-// takes the default), else the AVX-512 one, else the scalar loops (the same bits): the
-// tile unit's form is asked for by name, as its bits are its own while the bf16
-// linears' are the same on CPUs with and without AMX. A named form the CPU lacks, or
-// amx for float32, is refused.
+// "auto": the process's form where one was set (amx and avx512bf16 for bfloat16 only:
+// float32 then takes the default); else, for bfloat16, the dot products' form on any CPU
+// with AVX-512 BF16 (vdpbf16ps's arithmetic is set down in Intel's manual, and a Zen 5's
+// follows it bit for bit: such CPUs agree; tests check the one they run on through
+// dot_bf16_pairs_op); else the AVX-512 one, else
+// the scalar loops (the same bits as each other). The tile unit's form is asked for by
+// name: its bits are its own. A named form the CPU lacks, or a bfloat16-only form for
+// float32, is refused.
 Form pick_form(const std::string& kernel, bool bf16) {
   Form f;
   const int set = g_auto_form.load(std::memory_order_relaxed);
   if (kernel == "auto" && set >= 0 && (bf16 || !bf16_only(static_cast<Form>(set)))) {
     f = static_cast<Form>(set);
   } else if (kernel == "auto") {
-    f = avx512_usable() ? Form::kAvx512 : Form::kPortable;
+    f = bf16 && dot_usable() ? Form::kDot : avx512_usable() ? Form::kAvx512 : Form::kPortable;
   } else if (kernel == "amx" || kernel == "avx512bf16") {
     TORCH_CHECK(bf16, "the ", kernel, " attention kernel takes bfloat16, not float32");
     f = kernel == "amx" ? Form::kAmx : Form::kDot;
@@ -509,6 +514,31 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
                  tables.data_ptr<int64_t>(), out.data_ptr<float>(), items, s, form);
   }
   return out;
+}
+
+at::Tensor dot_bf16_pairs_op(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 1, "acc must be a float32 vector");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.dim() == 2 &&
+                  a.size(1) == 2 && a.sizes() == b.sizes() && a.size(0) == acc.size(0),
+              "a and b must be bfloat16 (n, 2), n the length of acc");
+  TORCH_CHECK(dot_usable(), "vdpbf16ps needs AVX-512 BF16, which this CPU (or this build) does not have");
+#if defined(__AVX512BF16__)
+  const at::Tensor ac = acc.contiguous(), ap = a.contiguous(), bp = b.contiguous();
+  at::Tensor out = at::empty_like(ac);
+  const int64_t n = ac.size(0);
+  const auto* ai = reinterpret_cast<const uint32_t*>(ap.data_ptr<at::BFloat16>());
+  const auto* bi = reinterpret_cast<const uint32_t*>(bp.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+    const __m512 r = _mm512_dpbf16_ps(_mm512_maskz_loadu_ps(k, ac.data_ptr<float>() + i),
+                                      (__m512bh)_mm512_maskz_loadu_epi32(k, ai + i),
+                                      (__m512bh)_mm512_maskz_loadu_epi32(k, bi + i));
+    _mm512_mask_storeu_ps(out.data_ptr<float>() + i, k, r);
+  }
+  return out;
+#else
+  return acc;
+#endif
 }
 
 std::string attention_kernel_op() { return form_name(pick_form("auto", true)); }

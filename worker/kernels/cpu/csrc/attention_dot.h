@@ -1,4 +1,5 @@
-// Paged attention's dot-product form (attention.cpp runs it where it is named): AVX-512 BF16.
+// Paged attention's dot-product form (attention.cpp runs it for bfloat16 where the CPU has AVX-512 BF16, unless
+// another form is named).
 
 #pragma once
 

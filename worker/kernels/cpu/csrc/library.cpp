@@ -26,6 +26,7 @@ TORCH_LIBRARY(jitney_cpu, m) {
         "Tensor query_start_loc, float scale, str kernel=\"auto\", int? window=None, float? softcap=None, "
         "Tensor? sinks=None) -> Tensor", &paged_attention_op);
   m.def("attention_kernel() -> str", &attention_kernel_op);
+  m.def("dot_bf16_pairs(Tensor acc, Tensor a, Tensor b) -> Tensor", &dot_bf16_pairs_op);
   m.def("set_attention_kernel(str kernel) -> ()", &set_attention_kernel_op);
   // elementwise.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_op);

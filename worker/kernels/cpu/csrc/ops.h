@@ -30,6 +30,10 @@ at::Tensor paged_attention_op(const at::Tensor& query, const at::Tensor& k_cache
                               c10::optional<double> softcap = c10::nullopt,
                               const c10::optional<at::Tensor>& sinks = c10::nullopt);
 std::string attention_kernel_op();
+// acc + a[i, 1] b[i, 1] + a[i, 0] b[i, 0] a lane, by the CPU's vdpbf16ps (the dot products'
+// form's one instruction of arithmetic that is not IEEE's own), for tests to check it against
+// the manual.
+at::Tensor dot_bf16_pairs_op(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b);
 void set_attention_kernel_op(const std::string& kernel);
 
 // elementwise.cpp: the decoder layer's elementwise work
