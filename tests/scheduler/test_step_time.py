@@ -71,6 +71,32 @@ def test_fit_is_robust_to_slow_outlier_steps() -> None:
     assert b == pytest.approx(B, rel=0.1) and c == pytest.approx(C, rel=0.15)
 
 
+def test_a_window_of_one_size_still_predicts_a_bigger_step() -> None:
+    """Under a target the recent steps are all about one size (decodes and a cut chunk,
+    5% noise, a fixed part most of their time): the slope per token is then the noise's.
+    The steps kept per size class from earlier (four full 512-token chunks) hold it, so
+    a 470-token chunk with 45 decodes is predicted within 20% in nearly every draw; the
+    recent window alone (per_size=0) misses by more in many."""
+    a, b, c = 0.06, 0.0005, 2e-8
+
+    def seconds(tokens: int, keys: int) -> float:
+        return a + b * tokens + c * keys
+
+    query = (470 + 45, 45 * 300 + chunk_keys(0, 470))
+    misses = {0: 0, 2: 0}
+    for seed in range(20):
+        rng = random.Random(seed)
+        steps = [(512, chunk_keys(rng.randint(0, 300), 512)) for _ in range(4)]
+        steps += [(d, d * rng.randint(280, 320)) for d in (rng.randint(45, 60) for _ in range(100))]
+        timed = [(tokens, keys, seconds(tokens, keys) * (1 + rng.gauss(0, 0.05))) for tokens, keys in steps]
+        for per_size in misses:
+            model = StepCostModel(per_size=per_size)
+            for tokens, keys, t in timed:
+                model.observe(tokens, t, keys)
+            misses[per_size] += abs(model.predict(*query) / seconds(*query) - 1) > 0.2
+    assert misses[2] <= 2 and misses[0] >= 5, misses
+
+
 def test_fit_keeps_coefficients_non_negative() -> None:
     model = StepCostModel()
     for tokens in range(1, 65, 4):     # time falls with keys: no physical model; c is held at 0
