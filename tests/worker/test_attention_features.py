@@ -21,7 +21,7 @@ from tests.support.triton_support import DEVICE, interpret_when_no_cuda, interpr
 
 interpret_when_no_cuda()   # before transformers' masking_utils (the reference's mask) imports Triton
 
-from tests.support.attention_cases import (PagedCase, attend_case, attention_form, dtype_forms, named_forms,  # noqa: E402
+from tests.support.attention_cases import (PagedCase, attend_case, attention_form, dtype_forms, named_forms, needs_avx512,  # noqa: E402
                                            paged_case, poison_early_blocks, random_sinks, reference_attention,
                                            visible)
 from tests.support.invariance_driver import torch_threads  # noqa: E402
@@ -204,6 +204,7 @@ def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, form: str) -> 
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (16, 2, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
+@needs_avx512
 def test_the_avx512_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: tuple[int, int, int],
                                                      feature: str) -> None:
     """16-token blocks with head_dim a multiple of 64 (the AVX-512 form where the CPU has it)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.attention_cases import auto_bf16_form, named_forms
+from tests.support.attention_cases import CPU_FLAGS, auto_bf16_form, named_forms, needs_avx512
 from tests.support.invariance_driver import torch_threads
 from jitney.worker.kernels.cpu import ops as cpu_kernels
 from jitney.worker.attention.backend import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout
@@ -74,7 +73,7 @@ def test_bf16_linears_run_on_the_fastest_kernel_the_cpu_has() -> None:
     """No silent fallback: AMX-BF16 where the CPU has it, else AVX-512 BF16 where it has
     that, else the portable loops. The fast kernel reads the same packed weights as the
     portable loops, and its bits differ from theirs (its own order of additions)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    flags = CPU_FLAGS
     kernel = cpu_kernels.linear_kernel()
     expected = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "portable"
     assert kernel == expected, f"bf16 linears run on {kernel} on a CPU with {expected}"
@@ -220,6 +219,7 @@ def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64)])
+@needs_avx512
 def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     """16-token blocks with head_dim a multiple of 64 run in AVX-512 registers (where
     the CPU has it), partial blocks included; the runtime-sized scalar loops define
@@ -231,9 +231,6 @@ def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, h
         fast = cpu_kernels.paged_attention(*args, scale, "avx512")
         assert bool(torch.isfinite(fast).all())
         assert torch.equal(fast, cpu_kernels.paged_attention(*args, scale, "portable")), scale
-
-
-CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
 
 
 def attention_kernels(dtype: torch.dtype) -> list[str]:
