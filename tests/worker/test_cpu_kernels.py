@@ -69,6 +69,27 @@ def test_linear_matches_torch_and_every_row_is_batch_invariant(dtype: torch.dtyp
     assert_rows_invariant(layer, x)
 
 
+@pytest.mark.parametrize("shape", [(77, 70), (100, 98), (64, 144), (33, 16), (576, 200)])
+def test_the_portable_bf16_linear_adds_each_outputs_products_in_k_order(shape: tuple[int, int]) -> None:
+    """The portable kernel's bits (vectorised across columns where the CPU has AVX2) are
+    its definition: each output's float32 products added in K order from zero, then the
+    bias; odd K, ragged column tiles, 1-13 rows (each row-blocking of the AVX2 form)."""
+    k, n = shape
+    gen = torch.Generator().manual_seed(k + n)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    for with_bias in (True, False):
+        layer = cpu_kernels.InvariantLinear(weight, bias if with_bias else None, out_float=True, portable=True)
+        for m in (1, 2, 3, 4, 5, 9, 13):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            expected = torch.zeros(m, n)
+            for j in range(k):  # separate multiply and add: the kernel's two roundings
+                expected = expected + x[:, j:j + 1].float() * weight[:, j].float()
+            if with_bias:
+                expected = expected + bias
+            assert torch.equal(layer(x), expected), (m, with_bias)
+
+
 def test_bf16_linears_run_on_the_fastest_kernel_the_cpu_has() -> None:
     """No silent fallback: AMX-BF16 where the CPU has it, else AVX-512 BF16 where it has
     that, else the portable loops. The fast kernel reads the same packed weights as the

@@ -10,7 +10,8 @@
 //             here; every output the sum of its K chunks of 32 in order),
 //             else AVX-512 BF16 (vdpbf16ps, linear_bf16_avx512.cpp; every
 //             output the sum of its K pairs in order), else the portable
-//             loops (here; every output its products added in K order). Each
+//             loops (here; every output its products added in K order, in
+//             AVX2 registers where the CPU has them, the same bits). Each
 //             kernel's bits depend on a row's own inputs only; the kernels'
 //             bits differ from one another.
 //   float32   oneDNN's brgemm micro-kernel over the whole of K per block of
@@ -42,6 +43,10 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -232,6 +237,126 @@ void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at
   });
 }
 
+#if defined(__AVX2__)
+// The plain loops' arithmetic in AVX2 registers, for a CPU with neither AMX
+// nor AVX-512 BF16: each output the same IEEE multiplies and adds in the same
+// K order (8 columns to a register, R rows of one 16-column tile at a time),
+// so the same bits. Multiply and add stay two instructions: the product of
+// two bf16 is exact in float32 except on underflow, where a fused
+// multiply-add would round once instead of twice. (On Zen they run on
+// separate pipes, so this costs an FMA's throughput.)
+// R rows by TT adjacent tiles of one column block (at most 8 sums in all):
+// out[r * TT * 16 + c] for the TT * 16 columns.
+template <int R, int TT>
+inline void tile_rows_avx2(const float* xf, int64_t k, const uint16_t* wt, float* out) {
+  __m256 acc[R][2 * TT];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * TT; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bool second = 2 * p + 1 < k;  // else the last of an odd K: its even value only
+    const uint16_t* row = wt + (p >> 4) * (jitney_cpu::kChunkBytes / 2) + (p & 15) * 32;
+    for (int t = 0; t < TT; ++t) {
+      // Lane j of a 32-bit view: column j's pair, the even value in its low half.
+      const uint16_t* tr = row + t * (jitney_cpu::kTileBytes / 2);
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tr));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tr + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 x0 = _mm256_broadcast_ss(xf + r * k + 2 * p);
+        acc[r][2 * t] = _mm256_add_ps(acc[r][2 * t], _mm256_mul_ps(x0, e0));
+        acc[r][2 * t + 1] = _mm256_add_ps(acc[r][2 * t + 1], _mm256_mul_ps(x0, e1));
+      }
+      if (!second) continue;
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+      for (int r = 0; r < R; ++r) {
+        const __m256 x1 = _mm256_broadcast_ss(xf + r * k + 2 * p + 1);
+        acc[r][2 * t] = _mm256_add_ps(acc[r][2 * t], _mm256_mul_ps(x1, o0));
+        acc[r][2 * t + 1] = _mm256_add_ps(acc[r][2 * t + 1], _mm256_mul_ps(x1, o1));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * TT; ++c) _mm256_storeu_ps(out + r * TT * 16 + c * 8, acc[r][c]);
+}
+
+template <typename out_t>
+void store_sums_rows(const float* sums, int64_t width, int64_t rows, const float* bias, out_t* y, int64_t n,
+                     int64_t col0) {
+  const int64_t cols = std::min(width, n - col0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      y[r * n + col0 + j] = from_float<out_t>(bias ? sums[r * width + j] + bias[col0 + j] : sums[r * width + j]);
+}
+
+// Up to 3 rows, a unit is a column block, its sums 6 to 8 at once (1 row by
+// 4 tiles, 2 by 2, 3 by 1: independent chains of adds hide their latency);
+// from 4 rows, a unit is a tile, its rows 4 at a time.
+template <typename out_t>
+void linear_tiles_avx2(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const float* bias,
+                       out_t* y, int64_t n) {
+  constexpr int64_t kRows = 4;
+  const int64_t chunks = padded(k, kAmxChunk) / kAmxChunk, tiles = padded(n, kColBlock) / 16;
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * k; i < r1 * k; ++i) xf[i] = to_float(x[i]);
+  });
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed);
+  auto tile_weights = [&](int64_t tile) {
+    return w + (tile / 4) * chunks * (jitney_cpu::kChunkBytes / 2) + (tile % 4) * (jitney_cpu::kTileBytes / 2);
+  };
+  if (m < kRows) {
+    at::parallel_for(0, tiles / 4, 1, [&](int64_t b0, int64_t b1) {
+      alignas(32) float sums[64];
+      for (int64_t b = b0; b < b1; ++b) {
+        if (m == 1) {
+          tile_rows_avx2<1, 4>(xf.data(), k, tile_weights(4 * b), sums);
+          store_sums_rows(sums, 64, 1, bias, y, n, b * kColBlock);
+          continue;
+        }
+        for (int64_t half = 0; half < 2; ++half) {  // 2 or 3 rows: two tiles at a time
+          const int64_t col0 = b * kColBlock + half * 32;
+          if (col0 >= n) break;
+          const uint16_t* wt = tile_weights(4 * b + 2 * half);
+          if (m == 2) {
+            tile_rows_avx2<2, 2>(xf.data(), k, wt, sums);
+            store_sums_rows(sums, 32, 2, bias, y, n, col0);
+          } else {
+            tile_rows_avx2<3, 1>(xf.data(), k, wt, sums);
+            store_sums_rows(sums, 16, 3, bias, y, n, col0);
+            if (col0 + 16 >= n) continue;
+            tile_rows_avx2<3, 1>(xf.data(), k, wt + jitney_cpu::kTileBytes / 2, sums);
+            store_sums_rows(sums, 16, 3, bias, y, n, col0 + 16);
+          }
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    alignas(32) float sums[kRows * 16];
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      if (tile * 16 >= n) continue;
+      const uint16_t* wt = tile_weights(tile);
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, m - r0);
+        const float* xr = xf.data() + r0 * k;
+        switch (rows) {
+          case 4: tile_rows_avx2<4, 1>(xr, k, wt, sums); break;
+          case 3: tile_rows_avx2<3, 1>(xr, k, wt, sums); break;
+          case 2: tile_rows_avx2<2, 1>(xr, k, wt, sums); break;
+          default: tile_rows_avx2<1, 1>(xr, k, wt, sums); break;
+        }
+        store_sums_rows(sums, 16, rows, bias, y + r0 * n, n, tile * 16);
+      }
+    }
+  });
+}
+#endif
+
 // The kernel bf16 linears run on here: "amx", "avx512_bf16" or "portable"
 // (unless portable is asked for, the fastest the CPU has).
 enum class Bf16Kernel { kAmx, kDp, kPortable };
@@ -256,7 +381,11 @@ void linear_bf16(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16
 #if defined(JITNEY_AVX512_BF16)
     case Bf16Kernel::kDp: jitney_cpu::bf16::linear_dp(x, m, k, packed, bias, y, n); return;
 #endif
+#if defined(__AVX2__)
+    default: linear_tiles_avx2(x, m, k, packed, bias, y, n); return;
+#else
     default: linear_tiles_portable(x, m, k, packed, bias, y, n); return;
+#endif
   }
 }
 
