@@ -181,7 +181,43 @@ inline void write_block(const int32_t* acc, int64_t r0, int64_t m, int64_t col0,
   }
 }
 
-// The portable path: the same integers by plain loops over the same layout.
+#if defined(__AVX2__)
+// R limb rows (stride kp) by one tile's 16 columns over all K chunks, in AVX2
+// registers: each weight byte and limb widened to int16, vpmaddwd's pairs
+// summed in int32 (exact: integer sums do not depend on their order, so
+// these are the plain loops' integers). Sums go to dst rows (stride kCols).
+template <int R>
+inline void limb_rows_avx2(const int8_t* a, int64_t kp, const int8_t* tile0, int64_t tile_stride, int64_t chunks,
+                           int32_t* dst) {
+  __m256i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int8_t* tile = tile0 + c * tile_stride;
+    for (int64_t p = 0; p < 16; ++p) {
+      // Bytes 16q.. of the tile's row p: columns 4q..4q+3, their 4 K values each.
+      __m256i w[4];
+      for (int q = 0; q < 4; ++q)
+        w[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + p * 64 + 16 * q)));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, a + r * kp + c * kChunk + 4 * p, 4);
+        const __m256i x = _mm256_cvtepi8_epi16(_mm_set1_epi32(four));  // the 4 limbs, 4 times
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(w[q], x));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) int32_t halves[4][8];
+    for (int q = 0; q < 4; ++q) _mm256_store_si256(reinterpret_cast<__m256i*>(halves[q]), acc[r][q]);
+    for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < 4; ++j) dst[r * kCols + 4 * q + j] = halves[q][2 * j] + halves[q][2 * j + 1];
+  }
+}
+#endif
+
+// The portable path: the same integers by plain loops over the same layout
+// (in AVX2 registers where the CPU has them, only the rows that exist).
 template <typename out_t>
 void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
                      const float* sw, const float* bias, out_t* y, int64_t n) {
@@ -192,6 +228,21 @@ void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp
       for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
         std::fill(acc.begin(), acc.end(), 0);
         const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
+#if defined(__AVX2__)
+        const int64_t rows = std::min(kRowsPerBlock, m - r0);
+        for (int64_t t = 0; t < 4; ++t) {
+          const int8_t* tile0 = packed + (b * chunks * 4 + t) * kTileBytes;
+          for (int64_t half = 0; half < 2; ++half)  // the high limbs' rows, then the low limbs'
+            for (int64_t i = 0; i < rows; i += 2) {
+              const int64_t row = half * kRowsPerBlock + i;
+              int32_t* dst = acc.data() + row * kCols + t * 16;
+              if (i + 1 < rows)
+                limb_rows_avx2<2>(a + row * kp, kp, tile0, 4 * kTileBytes, chunks, dst);
+              else
+                limb_rows_avx2<1>(a + row * kp, kp, tile0, 4 * kTileBytes, chunks, dst);
+            }
+        }
+#else
         for (int64_t c = 0; c < chunks; ++c)
           for (int64_t t = 0; t < 4; ++t) {
             const int8_t* tile = packed + ((b * chunks + c) * 4 + t) * kTileBytes;
@@ -204,6 +255,7 @@ void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp
                     dst[j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
             }
           }
+#endif
         write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n, false);
       }
     }
