@@ -94,9 +94,8 @@ def test_bf16_linears_run_on_the_fastest_kernel_the_cpu_has() -> None:
     """No silent fallback: AMX-BF16 where the CPU has it, else AVX-512 BF16 where it has
     that, else the portable loops. The fast kernel reads the same packed weights as the
     portable loops, and its bits differ from theirs (its own order of additions)."""
-    flags = CPU_FLAGS
     kernel = cpu_kernels.linear_kernel()
-    expected = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "portable"
+    expected = "amx" if "amx_bf16" in CPU_FLAGS else "avx512_bf16" if "avx512_bf16" in CPU_FLAGS else "portable"
     assert kernel == expected, f"bf16 linears run on {kernel} on a CPU with {expected}"
     if kernel == "portable":
         pytest.skip("neither AMX-BF16 nor AVX-512 BF16 on this CPU")

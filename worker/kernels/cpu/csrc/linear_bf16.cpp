@@ -201,6 +201,17 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
 // bf16 in plain loops, and the choice of kernel
 // ---------------------------------------------------------------------------
 
+// y[r * n + col0 + j] = sums[r * width + j] (+ bias[col0 + j]) for the columns below n.
+template <typename out_t>
+void store_sums_rows(const float* sums, int64_t width, int64_t rows, const float* bias, out_t* y, int64_t n,
+                     int64_t col0) {
+  const int64_t cols = std::min(width, n - col0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      y[r * n + col0 + j] = from_float<out_t>(bias ? sums[r * width + j] + bias[col0 + j] : sums[r * width + j]);
+}
+
+#if !defined(__AVX2__)
 // The bf16 linear in plain loops over the tile layout, for any CPU: each
 // output's products (float32, exact) added in K order from zero; columns in
 // lanes, so the compiler vectorises across them, never along K.
@@ -211,7 +222,7 @@ void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     float acc[kColBlock];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t col0 = b * kColBlock, cols = std::min(kColBlock, n - col0);
+      const int64_t col0 = b * kColBlock;
       const uint16_t* wb = reinterpret_cast<const uint16_t*>(packed) + b * chunks * (jitney_cpu::kChunkBytes / 2);
       for (int64_t r = 0; r < m; ++r) {
         for (int64_t j = 0; j < kColBlock; ++j) acc[j] = 0.0f;
@@ -230,12 +241,12 @@ void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at
                 a[j] += x1 * to_float(at::BFloat16(row[2 * j + 1], at::BFloat16::from_bits()));
           }
         }
-        out_t* dst = y + r * n + col0;
-        for (int64_t j = 0; j < cols; ++j) dst[j] = from_float<out_t>(bias ? acc[j] + bias[col0 + j] : acc[j]);
+        store_sums_rows(acc, kColBlock, 1, bias, y + r * n, n, col0);
       }
     }
   });
 }
+#endif
 
 #if defined(__AVX2__)
 // The plain loops' arithmetic in AVX2 registers, for a CPU with neither AMX
@@ -245,8 +256,9 @@ void linear_tiles_portable(const at::BFloat16* x, int64_t m, int64_t k, const at
 // two bf16 is exact in float32 except on underflow, where a fused
 // multiply-add would round once instead of twice. (On Zen they run on
 // separate pipes, so this costs an FMA's throughput.)
-// R rows by TT adjacent tiles of one column block (at most 8 sums in all):
-// out[r * TT * 16 + c] for the TT * 16 columns.
+//
+// tile_rows_avx2: R rows by TT adjacent tiles of one column block (at most
+// 8 sums in all), out[r * TT * 16 + c] for the TT * 16 columns.
 template <int R, int TT>
 inline void tile_rows_avx2(const float* xf, int64_t k, const uint16_t* wt, float* out) {
   __m256 acc[R][2 * TT];
@@ -283,13 +295,15 @@ inline void tile_rows_avx2(const float* xf, int64_t k, const uint16_t* wt, float
     for (int c = 0; c < 2 * TT; ++c) _mm256_storeu_ps(out + r * TT * 16 + c * 8, acc[r][c]);
 }
 
-template <typename out_t>
-void store_sums_rows(const float* sums, int64_t width, int64_t rows, const float* bias, out_t* y, int64_t n,
-                     int64_t col0) {
-  const int64_t cols = std::min(width, n - col0);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j)
-      y[r * n + col0 + j] = from_float<out_t>(bias ? sums[r * width + j] + bias[col0 + j] : sums[r * width + j]);
+// All R rows of one column block (from col0, weights wt), TT tiles at a time.
+template <int R, int TT, typename out_t>
+inline void block_rows_avx2(const float* xf, int64_t k, const uint16_t* wt, const float* bias, out_t* y, int64_t n,
+                            int64_t col0) {
+  alignas(32) float sums[R * TT * 16];
+  for (int64_t t = 0; t < 4 && col0 + t * 16 < n; t += TT) {
+    tile_rows_avx2<R, TT>(xf, k, wt + t * (jitney_cpu::kTileBytes / 2), sums);
+    store_sums_rows(sums, TT * 16, R, bias, y, n, col0 + t * 16);
+  }
 }
 
 // Up to 3 rows, a unit is a column block, its sums 6 to 8 at once (1 row by
@@ -310,27 +324,11 @@ void linear_tiles_avx2(const at::BFloat16* x, int64_t m, int64_t k, const at::BF
   };
   if (m < kRows) {
     at::parallel_for(0, tiles / 4, 1, [&](int64_t b0, int64_t b1) {
-      alignas(32) float sums[64];
       for (int64_t b = b0; b < b1; ++b) {
-        if (m == 1) {
-          tile_rows_avx2<1, 4>(xf.data(), k, tile_weights(4 * b), sums);
-          store_sums_rows(sums, 64, 1, bias, y, n, b * kColBlock);
-          continue;
-        }
-        for (int64_t half = 0; half < 2; ++half) {  // 2 or 3 rows: two tiles at a time
-          const int64_t col0 = b * kColBlock + half * 32;
-          if (col0 >= n) break;
-          const uint16_t* wt = tile_weights(4 * b + 2 * half);
-          if (m == 2) {
-            tile_rows_avx2<2, 2>(xf.data(), k, wt, sums);
-            store_sums_rows(sums, 32, 2, bias, y, n, col0);
-          } else {
-            tile_rows_avx2<3, 1>(xf.data(), k, wt, sums);
-            store_sums_rows(sums, 16, 3, bias, y, n, col0);
-            if (col0 + 16 >= n) continue;
-            tile_rows_avx2<3, 1>(xf.data(), k, wt + jitney_cpu::kTileBytes / 2, sums);
-            store_sums_rows(sums, 16, 3, bias, y, n, col0 + 16);
-          }
+        switch (m) {
+          case 1: block_rows_avx2<1, 4>(xf.data(), k, tile_weights(4 * b), bias, y, n, b * kColBlock); break;
+          case 2: block_rows_avx2<2, 2>(xf.data(), k, tile_weights(4 * b), bias, y, n, b * kColBlock); break;
+          default: block_rows_avx2<3, 1>(xf.data(), k, tile_weights(4 * b), bias, y, n, b * kColBlock); break;
         }
       }
     });
