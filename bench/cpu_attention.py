@@ -2,10 +2,11 @@
 """CPU paged attention: the batch-invariant kernel, in each form this CPU has, against gather + SDPA.
 
     .venv/bin/python bench/cpu_attention.py [--reps 10] [--layers 30 --scattered] [--threads 1] [--no-sdpa]
+        [--dtype bfloat16|float32]
 
 The default model's attention shape (9 query heads, 3 KV heads, head_dim 64,
-16-token blocks, bf16) on a 512-token prefill and on decode steps of 1 and
-64 sequences. The kernel runs in every form the CPU has (amx, avx512bf16, avx512;
+16-token blocks, bf16 or ``--dtype float32``) on a 512-token prefill and on decode steps of 1 and
+64 sequences. The kernel runs in every form the CPU has (amx, avx512bf16, avx512, avx2, portable;
 the server runs attention_kernel()'s); the backends attend the same queries over the same paged
 cache; milliseconds per call (one layer), mean of ``--reps`` after a warm-up.
 
@@ -32,7 +33,7 @@ from jitney.worker.attention.backend import (  # noqa: E402
     AttentionMetadata, TorchPagedAttention, to_kernel_layout)
 from jitney.worker.kernels.cpu import ops as cpu_kernels  # noqa: E402
 
-FORMS = ["avx512", "avx512bf16", "amx"]  # the kernel's forms worth timing (portable: the scalar loops)
+FORMS = ["avx512", "avx2", "avx512bf16", "amx", "portable"]  # the kernel's forms (portable: the scalar loops)
 
 
 def usable(form: str) -> bool:
@@ -67,12 +68,14 @@ def main() -> int:
     parser.add_argument("--scattered", action="store_true", help="sequences' blocks at random places")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-sdpa", action="store_true", help="the invariant kernel only")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16(),
-               torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()) for _ in range(args.layers)]
+    dtype = getattr(torch, args.dtype)
+    caches = [(torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+               torch.randn(2000, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)) for _ in range(args.layers)]
     order = torch.randperm(2000, generator=gen).tolist() if args.scattered else list(range(2000))
 
     # The same values in each backend's own cache layout.
@@ -89,14 +92,15 @@ def main() -> int:
         return (time.perf_counter() - started) / (len(own) * args.reps) * 1000
 
     have = cpu_kernels.attention_kernel()
-    forms = [form for form in FORMS if usable(form)] or ["portable"]
-    print(f"{torch.get_num_threads()} threads, {args.layers} distinct caches, "
+    bf16_only = ("amx", "avx512bf16")
+    forms = [form for form in FORMS if usable(form) and (dtype == torch.bfloat16 or form not in bf16_only)]
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, {args.layers} distinct caches, "
           f"{'scattered' if args.scattered else 'consecutive'} blocks; the server's form: {have}")
     print("| case | " + " | ".join(f"kernel ({form}) ms" for form in forms) + " | gather + SDPA ms |")
     print("|---|" + "---|" * (len(forms) + 1))
     for name, (query_lens, seq_lens) in CASES.items():
         meta = case_metadata(query_lens, seq_lens, order)
-        query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).bfloat16()
+        query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
         cells = []
         for form in forms:
             def call(k: torch.Tensor, v: torch.Tensor, form: str = form) -> torch.Tensor:

@@ -16,7 +16,7 @@ Every step of this workload carries at most N decodes beside its chunk.
 ``--workload FILE`` replays a workload file instead (offline-64: what the
 forms cost where prompts are short).
 
-    python bench/long_prompts.py [--forms avx512bf16 avx512] [-n 8] [--prompt 3000] [--out 64]
+    python bench/long_prompts.py [--forms avx512bf16 avx512 avx2 portable] [-n 8] [--prompt 3000] [--out 64]
                                  [--workload FILE] [--repeats N] [--extra "--max-step-ms 80"]
                                  [--json PATH]
 """
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jitney.client.bench import WorkItem, load_workload, summarize  # noqa: E402
 from jitney.scheduler.core.trace import read_trace  # noqa: E402
 from jitney.worker.config import CPU_ATTENTION_CHOICES  # noqa: E402
-from tests.support.attention_cases import named_forms  # noqa: E402
+from tests.support.attention_cases import named_forms, register_forms  # noqa: E402
 from tests.support.server_harness import replay_on_fresh_server  # noqa: E402
 
 SHORT_KEYS, LONG_KEYS = 512, 2500
@@ -83,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--forms", nargs="+", default=None, choices=CPU_ATTENTION_CHOICES,
                     help="--cpu-attention values, in turns (default: every named form this CPU has, "
-                         "then avx512)")
+                         "then avx512, or avx2 without it)")
     ap.add_argument("-n", type=int, default=8, help="prompts (default 8)")
     ap.add_argument("--prompt", type=int, default=3000, help="tokens a prompt (default 3000)")
     ap.add_argument("--out", type=int, default=64, help="tokens each generates (default 64)")
@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more `jitney serve` flags, one string")
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
-    ns.forms = ns.forms or [*named_forms(), "avx512"]
+    ns.forms = ns.forms or [*named_forms(), *(register_forms() or ["portable"])[:1]]
     if min(ns.n, ns.prompt, ns.out, ns.repeats) < 1:
         ap.error("-n, --prompt, --out and --repeats must be at least 1")
     items = load_workload(ns.workload) if ns.workload else workload(ns.n, ns.prompt, ns.out)

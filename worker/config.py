@@ -19,7 +19,7 @@ DType = Literal["float32", "bfloat16", "float16", "auto"]
 Device = Literal["cpu", "cuda"]
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATION_CHOICES: tuple[Quantization, ...] = ("none", "int8", "int4")
-CPU_ATTENTION_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "portable")  # cpu_kernels.set_attention_kernel's names
+CPU_ATTENTION_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "portable")  # cpu_kernels.set_attention_kernel's names
 
 DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 DEVICE_CHOICES: tuple[str, ...] = ("cpu", "cuda")
@@ -85,9 +85,9 @@ class WorkerConfig:
         faster but batch-size-dependent kernels.
       cpu_attention: the CPU attention kernel's form (``cpu_kernels.set_attention_kernel``):
         ``auto`` (bfloat16: ``avx512bf16`` where the CPU has AVX-512 BF16; else, and for
-        float32, ``avx512``, or ``portable`` without AVX-512: the same bits), ``amx``
-        (AMX-BF16: faster on long prompts, its own bits), ``avx512bf16``, ``avx512`` or
-        ``portable``.
+        float32, ``avx512``, else ``avx2``, else ``portable``: the same bits), ``amx``
+        (AMX-BF16: faster on long prompts, its own bits), ``avx512bf16``, ``avx512``,
+        ``avx2`` or ``portable``.
       quantization: ``int8``: every linear layer and the logits' head keep
         int8 weights with one scale per output channel, quantized at load from
         the model's weights (``cpu_kernels.Int8Linear``, CPU only); the
@@ -294,10 +294,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: on for the CPU, off on CUDA)")
     group.add_argument("--cpu-attention", dest="cpu_attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                        help="the CPU attention kernel: auto (bfloat16 in avx512bf16 where the CPU has AVX-512 BF16, "
-                            "else avx512, or portable without AVX-512: the same bits); amx (AMX-BF16: 0.62x "
+                            "else avx512, else avx2, else portable: the same bits); amx (AMX-BF16: 0.62x "
                             "avx512's wall of 8 x 3,000-token prompts on a Xeon) and avx512bf16 (AVX-512 BF16 dot "
                             "products: 0.71-0.76x on a Zen 5) take bfloat16, each with its own bits, batch-invariant "
-                            "still: replicas that must agree run the same one on all machines; avx512 or portable "
+                            "still: replicas that must agree run the same one on all machines; avx512, avx2 or portable "
                             "(default: auto)")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                        help="int8: weight-only int8 linear layers and head, per-channel scales computed at load; "

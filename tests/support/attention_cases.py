@@ -24,9 +24,13 @@ from jitney.worker.attention.features import first_window_block
 
 CPU = torch.device("cpu")
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-# The avx512 form is built only where the compiler targets AVX-512 (-march=native): on an
-# AVX2-only CPU naming it is an error, so its tests have nothing to run there.
-needs_avx512 = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="no AVX-512 on this CPU")
+
+
+def register_forms() -> list[str]:
+    """The forms that run the scalar loops' arithmetic in vector registers, which this CPU
+    has (each is built only where the compiler targets its instructions, -march=native):
+    avx512 (16 lanes) and avx2 (8 lanes, with FMA)."""
+    return ["avx512"] * ("avx512f" in CPU_FLAGS) + ["avx2"] * ({"avx2", "fma"} <= CPU_FLAGS)
 
 
 def named_forms() -> list[str]:
@@ -39,17 +43,18 @@ def named_forms() -> list[str]:
 
 def auto_bf16_form() -> str:
     """The form ``auto`` runs bfloat16 in on this CPU: the dot products' where it has
-    AVX-512 BF16, else the AVX-512 registers', else the scalar loops."""
+    AVX-512 BF16, else the widest registers' that run the scalar loops' arithmetic, else
+    the scalar loops."""
     if "avx512_bf16" in CPU_FLAGS:
         return "avx512bf16"
-    return "avx512" if "avx512f" in CPU_FLAGS else "portable"
+    return (register_forms() or ["portable"])[0]
 
 
 def dtype_forms() -> list[tuple[torch.dtype, str]]:
     """(dtype, form) pairs to run a test of the invariant CPU backend in: both dtypes in
-    the default form, and bfloat16 in every other form with bits of its own (avx512, whose
-    bits are the scalar loops', where auto runs another)."""
-    others = [f for f in ["avx512"] * ("avx512f" in CPU_FLAGS) + named_forms() if f != auto_bf16_form()]
+    the default form, and bfloat16 in every other form this CPU has (the register forms,
+    whose bits are the scalar loops', where auto runs another)."""
+    others = [f for f in register_forms() + named_forms() if f != auto_bf16_form()]
     return [(torch.float32, "auto"), (torch.bfloat16, "auto")] + [(torch.bfloat16, f) for f in others]
 
 

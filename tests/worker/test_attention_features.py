@@ -21,7 +21,7 @@ from tests.support.triton_support import DEVICE, interpret_when_no_cuda, interpr
 
 interpret_when_no_cuda()   # before transformers' masking_utils (the reference's mask) imports Triton
 
-from tests.support.attention_cases import (PagedCase, attend_case, attention_form, dtype_forms, named_forms, needs_avx512,  # noqa: E402
+from tests.support.attention_cases import (PagedCase, attend_case, attention_form, dtype_forms, named_forms, register_forms,  # noqa: E402
                                            paged_case, poison_early_blocks, random_sinks, reference_attention,
                                            visible)
 from tests.support.invariance_driver import torch_threads  # noqa: E402
@@ -204,10 +204,10 @@ def test_many_decodes_attend_as_they_do_alone(dtype: torch.dtype, form: str) -> 
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (16, 2, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@needs_avx512
-def test_the_avx512_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: tuple[int, int, int],
-                                                     feature: str) -> None:
-    """16-token blocks with head_dim a multiple of 64 (the AVX-512 form where the CPU has it)
+@pytest.mark.parametrize("form", register_forms())
+def test_the_register_forms_give_the_scalar_loops_bits(form: str, dtype: torch.dtype, heads: tuple[int, int, int],
+                                                       feature: str) -> None:
+    """16-token blocks with head_dim a multiple of 64 in each register form the CPU has
     against the runtime-sized scalar loops, with windows starting inside blocks."""
     feats = features(feature, heads[0])
     seq_lens, query_lens = [1, 16, 17, 200, 33, 100, 31], [1, 16, 1, 1, 33, 40, 20]
@@ -215,7 +215,7 @@ def test_the_avx512_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: 
     meta = case.meta()
     args = (case.query, *to_kernel_layout(case.k_cache, case.v_cache), meta.block_tables, meta.seq_lens,
             meta.query_start_loc, scale_of(heads[2]))
-    fast = cpu_kernels.paged_attention(*args, "avx512", **feats)
+    fast = cpu_kernels.paged_attention(*args, form, **feats)
     assert bool(torch.isfinite(fast).all())
     assert torch.equal(fast, cpu_kernels.paged_attention(*args, "portable", **feats))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.attention_cases import CPU_FLAGS, auto_bf16_form, named_forms, needs_avx512
+from tests.support.attention_cases import CPU_FLAGS, auto_bf16_form, named_forms, register_forms
 from tests.support.invariance_driver import torch_threads
 from jitney.worker.kernels.cpu import ops as cpu_kernels
 from jitney.worker.attention.backend import AttentionMetadata, InvariantCpuAttention, TorchPagedAttention, to_kernel_layout
@@ -239,23 +239,24 @@ def test_every_query_gets_the_bits_it_gets_alone_as_a_decode(dtype: torch.dtype,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64)])
-@needs_avx512
-def test_the_avx512_block_form_gives_the_scalar_loops_bits(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
-    """16-token blocks with head_dim a multiple of 64 run in AVX-512 registers (where
-    the CPU has it), partial blocks included; the runtime-sized scalar loops define
-    the arithmetic. Decodes, prefill tiles, partial blocks, NaN in unowned slots."""
+@pytest.mark.parametrize("form", register_forms())
+def test_the_register_forms_give_the_scalar_loops_bits(form: str, dtype: torch.dtype,
+                                                       heads: tuple[int, int, int]) -> None:
+    """16-token blocks with head_dim a multiple of 64 run in AVX-512 or AVX2 registers
+    (where the CPU has them), partial blocks included; the runtime-sized scalar loops
+    define the arithmetic. Decodes, prefill tiles, partial blocks, NaN in unowned slots."""
     seq_lens, query_lens = [1, 16, 17, 200, 33, 100, 31], [1, 16, 1, 1, 33, 40, 20]
     query, k, v, meta, _ = paged_problem(dtype, heads, 16, seq_lens, query_lens, seed=5)
     args = (query, *to_kernel_layout(k, v), meta.block_tables, meta.seq_lens, meta.query_start_loc)
     for scale in (heads[2] ** -0.5, 0.1234):
-        fast = cpu_kernels.paged_attention(*args, scale, "avx512")
+        fast = cpu_kernels.paged_attention(*args, scale, form)
         assert bool(torch.isfinite(fast).all())
         assert torch.equal(fast, cpu_kernels.paged_attention(*args, scale, "portable")), scale
 
 
 def attention_kernels(dtype: torch.dtype) -> list[str]:
     """Every form paged_attention can run ``dtype`` in on this CPU (amx, avx512bf16: bfloat16 only)."""
-    have = ["portable"] + ["avx512"] * ("avx512f" in CPU_FLAGS)
+    have = ["portable"] + register_forms()
     return have + named_forms() * (dtype == torch.bfloat16)
 
 
@@ -303,14 +304,14 @@ def test_bf16_attention_runs_the_cpus_form_unless_one_is_named() -> None:
             got = cpu_kernels.paged_attention(*args, form)
             assert bool(torch.isfinite(got).all()), form
             torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
-    missing = [form for form in ("avx512", "avx512bf16", "amx") if form not in attention_kernels(torch.bfloat16)]
+    missing = [form for form in ("avx512", "avx2", "avx512bf16", "amx") if form not in attention_kernels(torch.bfloat16)]
     for form in missing:
         with pytest.raises(RuntimeError, match=f"the {form} attention kernel needs"):
             cpu_kernels.paged_attention(*args, form)
     with pytest.raises(RuntimeError, match="takes bfloat16"):
         cpu_kernels.paged_attention(query.float(), *to_kernel_layout(k.float(), v.float()), meta.block_tables,
                                     meta.seq_lens, meta.query_start_loc, 0.125, "amx")
-    with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512 or portable"):
+    with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512, avx2 or portable"):
         cpu_kernels.paged_attention(*args, "fast")
 
 
@@ -364,7 +365,7 @@ def test_the_process_form_is_what_auto_runs_and_a_missing_one_is_refused() -> No
             want32 = float32_auto if form in ("amx", "avx512bf16") else run(torch.float32, form)
             assert torch.equal(run(torch.float32, "auto"), want32), form
         cpu_kernels.set_attention_kernel("portable")
-        with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512 or portable"):
+        with pytest.raises(RuntimeError, match="must be auto, amx, avx512bf16, avx512, avx2 or portable"):
             cpu_kernels.set_attention_kernel("fast")
         if "amx" not in have:
             with pytest.raises(RuntimeError, match="the amx attention kernel needs"):

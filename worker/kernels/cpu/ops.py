@@ -163,14 +163,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the last at position ``seq_lens[i] - 1``; ``block_tables[i]`` covers its context.
     ``kernel``: the form every row of the call runs in. ``auto`` (what the server
     runs): ``attention_kernel()``, for float32 too unless that takes bfloat16 only
-    (``amx``, ``avx512bf16``: float32 then runs ``avx512``, or ``portable``). ``amx``: the tile unit's (bfloat16 16-token blocks, head_dim
+    (``amx``, ``avx512bf16``: float32 then runs ``avx512``, else ``avx2``, else
+    ``portable``). ``amx``: the tile unit's (bfloat16 16-token blocks, head_dim
     64 or 128); ``avx512bf16``: the same shapes by AVX-512 BF16 dot products
     (``vdpbf16ps``), 16 query rows a register where a sequence has many, a token's rows
     with the keys in the lanes; ``avx512``: 16-token blocks with head_dim a multiple of
-    64 in AVX-512 float32 registers, the scalar loops' bits; ``portable``: the scalar
-    loops only. Shapes a form does not cover run as under ``avx512``; a form this CPU
-    lacks raises ``RuntimeError``. Each form's bits depend only on a row's own inputs;
-    ``amx``'s and ``avx512bf16``'s are their own.
+    64 in AVX-512 float32 registers, the scalar loops' bits; ``avx2``: the same in AVX2's
+    8-lane registers (with FMA), the same bits; ``portable``: the scalar loops only.
+    Shapes a form does not cover run as under ``avx512``; a form this CPU lacks raises
+    ``RuntimeError``. Each form's bits depend only on a row's own inputs; ``amx``'s and
+    ``avx512bf16``'s are their own.
     ``window``: a query at position p sees keys ``[p - window + 1, p]``; the blocks
     wholly before the window of a sequence's first query are not read, nor their
     block-table entries. ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)``.
@@ -187,8 +189,9 @@ def attention_kernel() -> str:
     """The form ``kernel="auto"`` runs bfloat16 in, in this process: what
     ``set_attention_kernel`` named, else ``avx512bf16`` on a CPU with AVX-512 BF16 (whose
     ``vdpbf16ps`` computes what Intel's manual sets down, so such CPUs agree:
-    ``dot_bf16_pairs``), else ``avx512`` (``portable`` on a CPU without AVX-512; the same
-    bits). ``amx`` is only ever named: its bits are its own."""
+    ``dot_bf16_pairs``), else ``avx512``, else ``avx2`` on a CPU with AVX2 and FMA, else
+    ``portable`` (these three: the same bits). ``amx`` is only ever named: its bits are
+    its own."""
     load()
     return str(torch.ops.jitney_cpu.attention_kernel())
 

@@ -12,14 +12,15 @@
 // its sequence's cache blocks, its position), never on how many rows share the
 // call, where the row sits in it or how the rows are split among threads.
 //
-// A call runs in one of four forms (kernel="auto": what set_attention_kernel named,
-// else avx512bf16 for bfloat16 where the CPU has it, else avx512 where it has that):
-// "amx", bfloat16 16-token blocks of head_dim 64 or 128 on the tile unit
+// A call runs in one of five forms (kernel="auto": what set_attention_kernel named,
+// else avx512bf16 for bfloat16 where the CPU has it, else avx512 where it has that,
+// else avx2): "amx", bfloat16 16-token blocks of head_dim 64 or 128 on the tile unit
 // (attention_amx.h: its own arithmetic, the same for every row); "avx512bf16", the
 // same shapes by AVX-512 BF16 dot products (attention_dot.h); "avx512",
 // 16-token blocks with head_dim a multiple of 64 running the scalar loops'
 // operations in AVX-512 registers (tests compare the bits; other shapes take
-// the loops); "portable", the scalar loops only. In every form the next blocks
+// the loops); "avx2", the same in AVX2's 8-lane registers; "portable", the
+// scalar loops only. In every form the next blocks
 // of a sequence are prefetched while one computes: blocks lie anywhere in the
 // cache, out of the hardware's sight (asked for a few lines at a time among
 // the work, where a burst would stall it: SpreadPrefetch, StepPrefetch).
@@ -36,7 +37,7 @@
 #include <ATen/ops/empty_like.h>
 #include <omp.h>
 #if defined(__x86_64__)
-#include <immintrin.h>  // the prefetches, and the AVX-512 paths (#if __AVX512F__)
+#include <immintrin.h>  // the prefetches, and the AVX-512 and AVX2 paths
 #endif
 
 #include "amx.h"
@@ -127,7 +128,7 @@ inline SpreadPrefetch prefetch_ahead(const scalar_t* k_cache, const scalar_t* v_
 // ... + g - 1. Which heads share an item changes only the speed. A token is
 // given only the blocks it sees, each with the same key range as in any other
 // tile, so its arithmetic is that of its decode.
-template <typename scalar_t, int64_t BS, int64_t D>
+template <typename scalar_t, int64_t BS, int64_t D, int Lanes>
 void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  scalar_t* out, int64_t t0, int64_t t1, int64_t pos0, int64_t h0, int64_t h1,
                  const AttentionShape& s, const NextItem& after) {
@@ -175,11 +176,8 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t cut = s.window > 0 ? std::min(t1, std::max(whole, t0 + blk * bs + s.window - pos0)) : t1;
     const int64_t past = s.window > 0 ? std::min(t1, std::max(cut, t0 + (blk + 1) * bs + s.window - 1 - pos0)) : t1;
     for (int64_t h = h0; h < h1; ++h) {
-#if defined(__AVX512F__)
-      constexpr bool kRegisters = BS == 16 && D > 0 && D % 64 == 0;  // the AVX-512 form below
-#else
-      constexpr bool kRegisters = false;
-#endif
+      constexpr bool kRegisters = Lanes > 0;  // the AVX-512 or AVX2 form below
+      static_assert(!kRegisters || (BS == 16 && D > 0 && D % 64 == 0), "the register forms' shapes");
       [[maybe_unused]] SpreadPrefetch spread =
           prefetch_ahead(k_cache, v_cache, table, blk, range.first, blocks, h, h0, s, after, kRegisters);
       const int64_t base = (table[blk] * s.num_kv_heads + h) * run;
@@ -198,7 +196,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         for (int64_t t = cut; t < past; ++t) one(rows_update, t);
       };
 #if defined(__AVX512F__)
-      if constexpr (kRegisters) {
+      if constexpr (Lanes == 16) {
         auto rows16 = [&](const auto& block) {
           update([&](int64_t rows, int64_t row, int64_t j0, int64_t n) {
             block_update_rows16<D>(rows, qf.data() + row * d, block, acc.data() + row * d, m.data() + row,
@@ -216,6 +214,30 @@ void attend_tile(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
           for (int64_t j = 0; j < 16; ++j)
             for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(vf.data() + j * D + c, raw.v(j, c));
           rows16(FloatBlock<D>{kt.data(), vf.data()});
+        }
+        continue;
+      }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (Lanes == 8) {
+        auto rows8 = [&](const auto& block) {
+          update([&](int64_t rows, int64_t row, int64_t j0, int64_t n) {
+            block_update_rows8<D>(rows, qf.data() + row * d, block, acc.data() + row * d, m.data() + row,
+                                  l.data() + row, j0, n, s.softcap, spread);
+            spread = SpreadPrefetch{};  // asked for once
+          });
+        };
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          rows8(FloatBlock8<D>{kb, vb});
+        } else if (t1 - t0 == 1) {
+          rows8(Bf16Block8<D>{kb, vb});
+        } else {
+          const Bf16Block8<D> raw{kb, vb};
+          for (int64_t i = 0; i < D; ++i)
+            for (int64_t h = 0; h < 2; ++h) _mm256_storeu_ps(kt.data() + i * 16 + 8 * h, raw.k(i, h));
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(vf.data() + j * D + c, raw.v(j, c));
+          rows8(FloatBlock8<D>{kt.data(), vf.data()});
         }
         continue;
       }
@@ -256,7 +278,7 @@ struct Item { int64_t seq, t0, t1, pos0, h0, h1; };
 // The forms a call's rows run in (one for all of them): the tile unit's, the
 // AVX-512 registers' (attend_tile's own bits: 16-token blocks, head_dim a multiple
 // of 64; other shapes its scalar loops), or the scalar loops only.
-enum class Form { kAmx, kAvx512, kPortable, kDot };
+enum class Form { kAmx, kAvx512, kPortable, kDot, kAvx2 };
 
 bool amx_usable() {
 #if defined(JITNEY_AMX_BF16) && defined(__AVX512BF16__)
@@ -285,11 +307,20 @@ bool avx512_usable() {
 #endif
 }
 
+bool avx2_usable() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 const char* form_name(Form f) {
   switch (f) {
     case Form::kAmx: return "amx";
     case Form::kAvx512: return "avx512";
     case Form::kDot: return "avx512bf16";
+    case Form::kAvx2: return "avx2";
     default: return "portable";
   }
 }
@@ -313,14 +344,19 @@ Form pick_form(const std::string& kernel, bool bf16) {
   if (kernel == "auto" && set >= 0 && (bf16 || !bf16_only(static_cast<Form>(set)))) {
     f = static_cast<Form>(set);
   } else if (kernel == "auto") {
-    f = bf16 && dot_usable() ? Form::kDot : avx512_usable() ? Form::kAvx512 : Form::kPortable;
+    f = bf16 && dot_usable() ? Form::kDot
+        : avx512_usable()    ? Form::kAvx512
+        : avx2_usable()      ? Form::kAvx2
+                             : Form::kPortable;
   } else if (kernel == "amx" || kernel == "avx512bf16") {
     TORCH_CHECK(bf16, "the ", kernel, " attention kernel takes bfloat16, not float32");
     f = kernel == "amx" ? Form::kAmx : Form::kDot;
   } else if (kernel == "avx512") {
     f = Form::kAvx512;
+  } else if (kernel == "avx2") {
+    f = Form::kAvx2;
   } else {
-    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512bf16, avx512 or portable, got \"",
+    TORCH_CHECK(kernel == "portable", "attention kernel must be auto, amx, avx512bf16, avx512, avx2 or portable, got \"",
                 kernel, "\"");
     f = Form::kPortable;
   }
@@ -329,7 +365,26 @@ Form pick_form(const std::string& kernel, bool bf16) {
   TORCH_CHECK(f != Form::kDot || dot_usable(), "the avx512bf16 attention kernel needs AVX-512 BF16, which this CPU ",
               "(or this build) does not have");
   TORCH_CHECK(f != Form::kAvx512 || avx512_usable(), "the avx512 attention kernel needs AVX-512, which this build lacks");
+  TORCH_CHECK(f != Form::kAvx2 || avx2_usable(), "the avx2 attention kernel needs AVX2 and FMA, which this build lacks");
   return f;
+}
+
+// A 16-token block shape in the register form's lanes: AVX2's 8 for the avx2 form, else
+// AVX-512's 16 (what the other forms run the shapes they do not cover in).
+template <typename scalar_t, int64_t D>
+void attend_lanes(Form form, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                  scalar_t* out, const Item& it, const AttentionShape& s, const NextItem& after) {
+  if (form == Form::kAvx2) {
+#if defined(__AVX2__) && defined(__FMA__)
+    attend_tile<scalar_t, 16, D, 8>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+    return;
+#endif
+  }
+#if defined(__AVX512F__)
+  attend_tile<scalar_t, 16, D, 16>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+#else
+  attend_tile<scalar_t, 16, D, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+#endif
 }
 
 template <typename scalar_t>
@@ -337,6 +392,7 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
                   scalar_t* out, const std::vector<Item>& items, const AttentionShape& s, Form form) {
   const int64_t count = static_cast<int64_t>(items.size());
   [[maybe_unused]] const bool tiles = bf16_only(form) && s.block_size == 16 && (s.head_dim == 64 || s.head_dim == 128);
+  const bool registers = form != Form::kPortable && s.block_size == 16;  // head_dim 64 or 128: a register form
   // Items are handed out one at a time as threads come free (long and short ones
   // balance), each thread claiming its next item when it starts one, so that it can
   // prefetch that item's first blocks. Which thread runs an item does not change its
@@ -390,13 +446,13 @@ void attend_items(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_
         }
       }
 #endif
-      if (form != Form::kPortable && s.block_size == 16 && s.head_dim == 64) {
-        attend_tile<scalar_t, 16, 64>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
-      } else if (form != Form::kPortable && s.block_size == 16 && s.head_dim == 128) {
-        attend_tile<scalar_t, 16, 128>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s,
-                                       after);
+      if (registers && s.head_dim == 64) {
+        attend_lanes<scalar_t, 64>(form, q, k_cache, v_cache, table, out, it, s, after);
+      } else if (registers && s.head_dim == 128) {
+        attend_lanes<scalar_t, 128>(form, q, k_cache, v_cache, table, out, it, s, after);
       } else {  // the runtime-sized scalar loops
-        attend_tile<scalar_t, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s, after);
+        attend_tile<scalar_t, 0, 0, 0>(q, k_cache, v_cache, table, out, it.t0, it.t1, it.pos0, it.h0, it.h1, s,
+                                       after);
       }
       w = following;
     }

@@ -1,6 +1,6 @@
 // One cache block's step of paged attention's online softmax (attention.cpp):
-// the scalar form, for any block size and head_dim, and the AVX-512 form of
-// 16-token blocks with head_dim a multiple of 64, which runs the same
+// the scalar form, for any block size and head_dim, and the AVX-512 and AVX2
+// forms of 16-token blocks with head_dim a multiple of 64, which run the same
 // operations in the same order on each lane (tested bit for bit against the
 // scalar form), and the prefetch of a later block spread over one's work.
 // A row sees the keys [j0, n) of a block: j0 > 0 where a sliding window
@@ -325,6 +325,171 @@ void block_update_rows16(int64_t rows, const float* q, const Block& blk, float* 
       case 3: block_update16<3, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
       case 2: block_update16<2, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
       default: block_update16<1, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+    }
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// tree_reduce<16> on two 8-lane registers (lanes 0..7, 8..15): lane j takes op(lane j,
+// lane j + half), half = 8 (the two registers), 4, 2, 1.
+template <typename Op>
+__attribute__((always_inline)) inline float tree_reduce16(__m256 lo, __m256 hi, Op op) {
+  __m256 v = op(lo, hi);
+  v = op(v, _mm256_permute2f128_ps(v, v, 0x01));  // lanes 4..7 onto 0..3
+  v = op(v, _mm256_permute_ps(v, 0x0E));          // 2, 3 onto 0, 1
+  v = op(v, _mm256_permute_ps(v, 0x01));          // 1 onto 0
+  return _mm256_cvtss_f32(v);
+}
+
+// soft_cap on 8 lanes: the same IEEE operations in the same order.
+__attribute__((always_inline)) inline __m256 soft_cap8(__m256 x, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 y = _mm256_div_ps(x, c);
+  const __m256 a = _mm256_andnot_ps(sign, y);
+  const __m256 y2 = _mm256_mul_ps(y, y);
+  __m256 p = _mm256_set1_ps(kTanh9);
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(kTanh7));
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(kTanh5));
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(kTanh3));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(y, y2), p, y);
+  const __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), a));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 big = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), _mm256_and_ps(sign, y));
+  const __m256 large = _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSmall), _CMP_GE_OQ);  // NaN: small
+  return _mm256_mul_ps(c, _mm256_blendv_ps(small, big, large));
+}
+
+// Where block_update8 reads a 16-token block of one kv head, 8 lanes at a time: k(i, h)
+// is dim i of keys [8h, 8h + 8), v(j, c) columns [c, c + 8) of value j, float32. As
+// FloatBlock and Bf16Block (the same layouts).
+template <int64_t D>
+struct FloatBlock8 {
+  const float* kt;
+  const float* vf;
+  __m256 k(int64_t i, int64_t h) const { return _mm256_loadu_ps(kt + i * 16 + 8 * h); }
+  __m256 v(int64_t j, int64_t c) const { return _mm256_loadu_ps(vf + j * D + c); }
+};
+
+template <int64_t D>
+struct Bf16Block8 {
+  const at::BFloat16* kp;
+  const at::BFloat16* vp;
+  __m256 k(int64_t i, int64_t h) const { return widen(kp + (i / 2) * 32 + 16 * h, i % 2); }
+  __m256 v(int64_t j, int64_t c) const { return widen(vp + (j / 2) * 2 * D + 2 * c, j % 2); }
+
+ private:
+  static __m256 widen(const at::BFloat16* pairs, int64_t half) {
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs));
+    return _mm256_castsi256_ps(half == 0 ? _mm256_slli_epi32(pair, 16)
+                                         : _mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+};
+
+// block_update<R, 16, D> in 8-lane registers: the same operations, in the same order,
+// on each lane (tested bit for bit against the scalar form). The keys' two halves are
+// scored one after the other (16 registers hold one half's partial sums for 3 rows).
+template <int64_t R, int64_t D, typename Block>
+inline void block_update8(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
+                          float* __restrict__ m, float* __restrict__ l, int64_t j0, int64_t n, float cap,
+                          const SpreadPrefetch& ahead = SpreadPrefetch{}) {
+  static_assert(D % 32 == 0 && R >= 1 && R <= 3, "8-lane form");
+  __m256 scores[R][2];
+  #pragma GCC unroll 2
+  for (int64_t h = 0; h < 2; ++h) {
+    __m256 part[R][4];
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int k = 0; k < 4; ++k) part[r][k] = _mm256_setzero_ps();
+    #pragma GCC unroll 4
+    for (int64_t i = 0; i < D; i += 4) {
+      if (h == 0) ahead.k_part(i / 4, D / 4);
+      #pragma GCC unroll 16
+      for (int k = 0; k < 4; ++k) {
+        __m256 krow = blk.k(i + k, h);
+        asm("" : "+x"(krow));  // one load for the R rows
+        #pragma GCC unroll 16
+        for (int64_t r = 0; r < R; ++r)
+          part[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * D + i + k]), krow, part[r][k]);
+      }
+    }
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      scores[r][h] = _mm256_add_ps(_mm256_add_ps(part[r][0], part[r][1]), _mm256_add_ps(part[r][2], part[r][3]));
+  }
+  if (cap > 0.0f) {
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < 2; ++h) scores[r][h] = soft_cap8(scores[r][h], cap);
+  }
+  // Lane j of half h is key 8h + j: valid where j0 <= key < n.
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 valid[2];
+  for (int64_t h = 0; h < 2; ++h) {
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(8 * h)));
+    valid[h] = _mm256_castsi256_ps(
+        _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(j0)), key),
+                            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), key)));
+  }
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(32) float w[R][16];
+  float correction[R];
+  #pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    // std::max(a, b) is (a < b ? b : a), which is MAXPS(b, a), NaN and signed zeros included.
+    const float peak = tree_reduce16(_mm256_blendv_ps(ninf, scores[r][0], valid[0]),
+                                     _mm256_blendv_ps(ninf, scores[r][1], valid[1]),
+                                     [](__m256 a, __m256 b) { return _mm256_max_ps(b, a); });
+    const float m_new = std::max(m[r], peak);
+    correction[r] = exp_nonpositive(m[r] - m_new);
+    const __m256 mn = _mm256_set1_ps(m_new);
+    const __m256 w0 = _mm256_and_ps(valid[0], exp_nonpositive8(_mm256_sub_ps(scores[r][0], mn)));
+    const __m256 w1 = _mm256_and_ps(valid[1], exp_nonpositive8(_mm256_sub_ps(scores[r][1], mn)));
+    _mm256_store_ps(w[r], w0);
+    _mm256_store_ps(w[r] + 8, w1);
+    l[r] = fmaf(l[r], correction[r], tree_reduce16(w0, w1, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }));
+    m[r] = m_new;
+  }
+  #pragma GCC unroll 16
+  for (int64_t c = 0; c < D; c += 32) {  // 32 columns at a time, each column's order unchanged
+    constexpr int64_t kVec = 4;
+    __m256 a[R][kVec];
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v)
+        a[r][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c + 8 * v), _mm256_set1_ps(correction[r]));
+    for (int64_t j = 0; j < j0; ++j) ahead.v_part(c / 32 * 16 + j, D / 2);
+    for (int64_t j = j0; j < n; ++j) {
+      ahead.v_part(c / 32 * 16 + j, D / 2);
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v) {
+        const __m256 vj = blk.v(j, c + 8 * v);
+        #pragma GCC unroll 16
+        for (int64_t r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vj, a[r][v]);
+      }
+    }
+    for (int64_t j = n; j < 16; ++j) ahead.v_part(c / 32 * 16 + j, D / 2);
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v) _mm256_storeu_ps(acc + r * D + c + 8 * v, a[r][v]);
+  }
+}
+
+template <int64_t D, typename Block>
+void block_update_rows8(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t j0,
+                        int64_t n, float cap, const SpreadPrefetch& ahead) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 3) {
+    const float* qr = q + r0 * D;
+    float* ar = acc + r0 * D;
+    const SpreadPrefetch& pf = r0 == 0 ? ahead : SpreadPrefetch{};
+    switch (std::min<int64_t>(3, rows - r0)) {
+      case 3: block_update8<3, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 2: block_update8<2, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      default: block_update8<1, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
     }
   }
 }
