@@ -76,10 +76,10 @@ class LinearKernel:
                         head_where)
         else:
             # Measured on a 2-core AVX2-only EPYC (README "int4 weights"): one sequence's decode step
-            # int8 0.67x float32's, int4 6.4x; 64 sequences' 1.7x and 2.4x. Without AVX2, far slower.
+            # int8 0.48x float32's, int4 0.51x; 64 sequences' 2.2x and 2.4x. Without AVX2, far slower.
             logger.warning("%s weights: %d linear layers run on %s, the int8 head on %s: this CPU lacks AMX-INT8 "
-                           "and AVX-512 VNNI; on the portable loops int8 pays only at a few sequences and int4 "
-                           "is slower than --quantization none (same results)", self.kind, count, where, head_where)
+                           "and AVX-512 VNNI; on the portable loops int8 and int4 pay only at a few sequences "
+                           "(same results)", self.kind, count, where, head_where)
         # The head stays int8 under int4 too: with an int4 head, perplexity rose to 22.4 against
         # 19.0 (bench/quant_accuracy.py; README "int4 weights").
         return cpu_kernels.Int8Linear(head_weight, head_bias, out_float=True)

@@ -68,6 +68,61 @@ void unpack_int4(const uint8_t* q4, const uint8_t* cv, int64_t blocks, int64_t c
   });
 }
 
+#if defined(__AVX2__)
+// R limb rows (stride kp) by one int4 tile's 16 columns over all K chunks, in AVX2
+// registers, from the nibbles: per 32-input group, each weight q = nibble - 8 widened
+// to int16 and vpmaddwd's pairs a * q summed in int32, then times the group's c. These
+// are the int8 weights' integers (sum over k of a c q, exact), without an int8 copy.
+// Sums go to dst rows (stride kCols) as limb_rows_avx2's.
+template <int R>
+inline void limb_rows_q4_avx2(const int8_t* a, int64_t kp, const uint8_t* tile0, const uint8_t* scales0,
+                              int64_t chunks, int32_t* dst) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i eight = _mm256_set1_epi16(8);
+  // Byte lanes of a group's 16 scales: columns 4q..4q+3, each twice (its two vpmaddwd lanes).
+  const __m128i spread[4] = {
+      _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1),
+      _mm_setr_epi8(4, 4, 5, 5, 6, 6, 7, 7, -1, -1, -1, -1, -1, -1, -1, -1),
+      _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, -1, -1, -1, -1, -1, -1, -1, -1),
+      _mm_setr_epi8(12, 12, 13, 13, 14, 14, 15, 15, -1, -1, -1, -1, -1, -1, -1, -1)};
+  __m256i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* tile = tile0 + c * kQ4TileBytes;
+    for (int64_t half = 0; half < 2; ++half) {  // the chunk's two groups: tile rows 0-7, 8-15
+      __m256i group[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) group[r][q] = _mm256_setzero_si256();
+      for (int64_t s = half * 4; s < half * 4 + 4; ++s) {  // nibble row s: tile rows 2s (low), 2s + 1 (high)
+        __m128i raw[4];
+        for (int q = 0; q < 4; ++q) raw[q] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + s * 64 + 16 * q));
+        for (int64_t parity = 0; parity < 2; ++parity) {
+          const int64_t p = 2 * s + parity;
+          __m256i w[4];
+          for (int q = 0; q < 4; ++q) {
+            const __m128i nib = parity ? _mm_and_si128(_mm_srli_epi16(raw[q], 4), low4) : _mm_and_si128(raw[q], low4);
+            w[q] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(nib), eight);
+          }
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, a + r * kp + c * kChunk + 4 * p, 4);
+            const __m256i x = _mm256_cvtepi8_epi16(_mm_set1_epi32(four));
+            for (int q = 0; q < 4; ++q) group[r][q] = _mm256_add_epi32(group[r][q], _mm256_madd_epi16(w[q], x));
+          }
+        }
+      }
+      const __m128i cs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales0 + c * kQ4ScaleBytes + half * 16));
+      for (int q = 0; q < 4; ++q) {
+        const __m256i cq = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(cs, spread[q]));
+        for (int r = 0; r < R; ++r) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_mullo_epi32(group[r][q], cq));
+      }
+    }
+  }
+  store_pair_sums<R>(acc, dst);
+}
+#endif
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define JITNEY_Q4_VECTOR 1
 constexpr int64_t kVnniRows = 4;  // calls of up to this many rows take the VNNI path (else AMX)
@@ -375,10 +430,22 @@ at::Tensor linear_int4_op(const at::Tensor& x, const at::Tensor& q4, const at::T
                         return;
                       }
 #endif
+#if defined(__AVX2__)
+                      // The portable loops in AVX2 registers, from the nibbles.
+                      const int64_t chunks = kp / kChunk;
+                      portable_blocks_avx2(limbs, sx, m, kp, sw, b, out, n,
+                                           [&](auto rows, int64_t blk, int64_t t, const int8_t* a, int32_t* dst) {
+                                             const int64_t first = q4_tile(blk, t, 0, chunks);
+                                             limb_rows_q4_avx2<decltype(rows)::value>(
+                                                 a, kp, wq + first * kQ4TileBytes, wc + first * kQ4ScaleBytes,
+                                                 chunks, dst);
+                                           });
+#else
                       // The portable loops on the int8 bytes the int4 ones stand for: the same integers.
                       std::vector<int8_t> unpacked(padded(n, kCols) * kp);
                       unpack_int4(wq, wc, padded(n, kCols) / kCols, kp / kChunk, unpacked.data());
                       linear_portable(limbs, sx, m, kp, unpacked.data(), sw, b, out, n);
+#endif
                     });
 }
 

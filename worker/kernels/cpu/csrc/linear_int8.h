@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -182,6 +183,18 @@ inline void write_block(const int32_t* acc, int64_t r0, int64_t m, int64_t col0,
 }
 
 #if defined(__AVX2__)
+// R rows' sums of 16 columns, each column's two vpmaddwd lanes added (register q: columns
+// 4q..4q+3), to dst rows (stride kCols).
+template <int R>
+inline void store_pair_sums(const __m256i (&acc)[R][4], int32_t* dst) {
+  for (int r = 0; r < R; ++r) {
+    alignas(32) int32_t halves[4][8];
+    for (int q = 0; q < 4; ++q) _mm256_store_si256(reinterpret_cast<__m256i*>(halves[q]), acc[r][q]);
+    for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < 4; ++j) dst[r * kCols + 4 * q + j] = halves[q][2 * j] + halves[q][2 * j + 1];
+  }
+}
+
 // R limb rows (stride kp) by one tile's 16 columns over all K chunks, in AVX2
 // registers: each weight byte and limb widened to int16, vpmaddwd's pairs
 // summed in int32 (exact: integer sums do not depend on their order, so
@@ -207,12 +220,39 @@ inline void limb_rows_avx2(const int8_t* a, int64_t kp, const int8_t* tile0, int
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) int32_t halves[4][8];
-    for (int q = 0; q < 4; ++q) _mm256_store_si256(reinterpret_cast<__m256i*>(halves[q]), acc[r][q]);
-    for (int q = 0; q < 4; ++q)
-      for (int j = 0; j < 4; ++j) dst[r * kCols + 4 * q + j] = halves[q][2 * j] + halves[q][2 * j + 1];
-  }
+  store_pair_sums<R>(acc, dst);
+}
+#endif
+
+#if defined(__AVX2__)
+// The AVX2 loops' walk, for int8's weights and int4's: per column block and 8 activation
+// rows, each tile's sums of the rows that exist, two limb rows at a time:
+// tile_rows(std::integral_constant<int, R>, block, tile, limb row, dst) sums R rows.
+template <typename out_t, typename TileRows>
+void portable_blocks_avx2(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const float* sw,
+                          const float* bias, out_t* y, int64_t n, const TileRows& tile_rows) {
+  const int64_t blocks = padded(n, kCols) / kCols;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> acc(16 * kCols);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
+        std::fill(acc.begin(), acc.end(), 0);
+        const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
+        const int64_t rows = std::min(kRowsPerBlock, m - r0);
+        for (int64_t t = 0; t < 4; ++t)
+          for (int64_t half = 0; half < 2; ++half)  // the high limbs' rows, then the low limbs'
+            for (int64_t i = 0; i < rows; i += 2) {
+              const int64_t row = half * kRowsPerBlock + i;
+              int32_t* dst = acc.data() + row * kCols + t * 16;
+              if (i + 1 < rows)
+                tile_rows(std::integral_constant<int, 2>{}, b, t, a + row * kp, dst);
+              else
+                tile_rows(std::integral_constant<int, 1>{}, b, t, a + row * kp, dst);
+            }
+        write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n, false);
+      }
+    }
+  });
 }
 #endif
 
@@ -221,28 +261,21 @@ inline void limb_rows_avx2(const int8_t* a, int64_t kp, const int8_t* tile0, int
 template <typename out_t>
 void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
                      const float* sw, const float* bias, out_t* y, int64_t n) {
-  const int64_t blocks = padded(n, kCols) / kCols, chunks = kp / kChunk;
+  const int64_t chunks = kp / kChunk;
+#if defined(__AVX2__)
+  portable_blocks_avx2(limbs, sx, m, kp, sw, bias, y, n, [&](auto rows, int64_t b, int64_t t, const int8_t* a,
+                                                              int32_t* dst) {
+    limb_rows_avx2<decltype(rows)::value>(a, kp, packed + (b * chunks * 4 + t) * kTileBytes, 4 * kTileBytes, chunks,
+                                          dst);
+  });
+#else
+  const int64_t blocks = padded(n, kCols) / kCols;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> acc(16 * kCols);
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
         std::fill(acc.begin(), acc.end(), 0);
         const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
-#if defined(__AVX2__)
-        const int64_t rows = std::min(kRowsPerBlock, m - r0);
-        for (int64_t t = 0; t < 4; ++t) {
-          const int8_t* tile0 = packed + (b * chunks * 4 + t) * kTileBytes;
-          for (int64_t half = 0; half < 2; ++half)  // the high limbs' rows, then the low limbs'
-            for (int64_t i = 0; i < rows; i += 2) {
-              const int64_t row = half * kRowsPerBlock + i;
-              int32_t* dst = acc.data() + row * kCols + t * 16;
-              if (i + 1 < rows)
-                limb_rows_avx2<2>(a + row * kp, kp, tile0, 4 * kTileBytes, chunks, dst);
-              else
-                limb_rows_avx2<1>(a + row * kp, kp, tile0, 4 * kTileBytes, chunks, dst);
-            }
-        }
-#else
         for (int64_t c = 0; c < chunks; ++c)
           for (int64_t t = 0; t < 4; ++t) {
             const int8_t* tile = packed + ((b * chunks + c) * 4 + t) * kTileBytes;
@@ -255,11 +288,11 @@ void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp
                     dst[j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
             }
           }
-#endif
         write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n, false);
       }
     }
   });
+#endif
 }
 
 #ifdef JITNEY_AMX
