@@ -94,7 +94,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Union
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
 from jitney.scheduler.core.admission import QueueFullError
@@ -421,7 +420,9 @@ class GrammarCompiler:
             eos = [int(t) for t in eos_token_ids]
             if len(tokenizer) > vocab_size:
                 raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} ids)")
-            engine_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+            from llguidance import hf   # here: it imports transformers (and torch), which argument parsing needs not
+
+            engine_tok = hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         if not eos or not all(0 <= t < vocab_size for t in eos):
             raise ValueError(f"EOS ids {eos} must be at least one id below vocab_size {vocab_size}")
         self.engine_tokenizer = engine_tok
