@@ -222,15 +222,31 @@ inline void limb_rows_avx2(const int8_t* a, int64_t kp, const int8_t* tile0, int
   }
   store_pair_sums<R>(acc, dst);
 }
+#else
+// R limb rows (stride kp) by one tile's 16 columns over all K chunks, by plain
+// loops: the same integers. Adds into dst rows (stride kCols), which start at 0.
+template <int R>
+inline void limb_rows_plain(const int8_t* a, int64_t kp, const int8_t* tile0, int64_t tile_stride, int64_t chunks,
+                            int32_t* dst) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* tile = tile0 + c * tile_stride;
+      const int8_t* ar = a + r * kp + c * kChunk;
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t j = 0; j < 16; ++j)
+          for (int64_t i = 0; i < 4; ++i)
+            dst[r * kCols + j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
+    }
+}
 #endif
 
-#if defined(__AVX2__)
-// The AVX2 loops' walk, for int8's weights and int4's: per column block and 8 activation
-// rows, each tile's sums of the rows that exist, two limb rows at a time:
-// tile_rows(std::integral_constant<int, R>, block, tile, limb row, dst) sums R rows.
+// The portable loops' walk, for int8's weights and int4's: per column block and 8
+// activation rows, each tile's sums of the rows that exist, two limb rows at a time:
+// tile_rows(std::integral_constant<int, R>, block, tile, limb row, dst) sums R rows
+// into dst, which starts at 0.
 template <typename out_t, typename TileRows>
-void portable_blocks_avx2(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const float* sw,
-                          const float* bias, out_t* y, int64_t n, const TileRows& tile_rows) {
+void portable_blocks(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const float* sw, const float* bias,
+                     out_t* y, int64_t n, const TileRows& tile_rows) {
   const int64_t blocks = padded(n, kCols) / kCols;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> acc(16 * kCols);
@@ -254,45 +270,22 @@ void portable_blocks_avx2(const int8_t* limbs, const float* sx, int64_t m, int64
     }
   });
 }
-#endif
 
 // The portable path: the same integers by plain loops over the same layout
-// (in AVX2 registers where the CPU has them, only the rows that exist).
+// (in AVX2 registers where the CPU has them), only the rows that exist.
 template <typename out_t>
 void linear_portable(const int8_t* limbs, const float* sx, int64_t m, int64_t kp, const int8_t* packed,
                      const float* sw, const float* bias, out_t* y, int64_t n) {
   const int64_t chunks = kp / kChunk;
+  portable_blocks(limbs, sx, m, kp, sw, bias, y, n, [&](auto rows, int64_t b, int64_t t, const int8_t* a,
+                                                         int32_t* dst) {
+    const int8_t* tile0 = packed + (b * chunks * 4 + t) * kTileBytes;
 #if defined(__AVX2__)
-  portable_blocks_avx2(limbs, sx, m, kp, sw, bias, y, n, [&](auto rows, int64_t b, int64_t t, const int8_t* a,
-                                                              int32_t* dst) {
-    limb_rows_avx2<decltype(rows)::value>(a, kp, packed + (b * chunks * 4 + t) * kTileBytes, 4 * kTileBytes, chunks,
-                                          dst);
-  });
+    limb_rows_avx2<decltype(rows)::value>(a, kp, tile0, 4 * kTileBytes, chunks, dst);
 #else
-  const int64_t blocks = padded(n, kCols) / kCols;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int32_t> acc(16 * kCols);
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerBlock) {
-        std::fill(acc.begin(), acc.end(), 0);
-        const int8_t* a = limbs + (r0 / kRowsPerBlock) * 16 * kp;
-        for (int64_t c = 0; c < chunks; ++c)
-          for (int64_t t = 0; t < 4; ++t) {
-            const int8_t* tile = packed + ((b * chunks + c) * 4 + t) * kTileBytes;
-            for (int64_t row = 0; row < 16; ++row) {
-              const int8_t* ar = a + row * kp + c * kChunk;
-              int32_t* dst = acc.data() + row * kCols + t * 16;
-              for (int64_t p = 0; p < 16; ++p)
-                for (int64_t j = 0; j < 16; ++j)
-                  for (int64_t i = 0; i < 4; ++i)
-                    dst[j] += static_cast<int32_t>(ar[4 * p + i]) * static_cast<int32_t>(tile[p * 64 + 4 * j + i]);
-            }
-          }
-        write_block(acc.data(), r0, m, b * kCols, std::min(kCols, n - b * kCols), sx, sw, bias, y, n, false);
-      }
-    }
-  });
+    limb_rows_plain<decltype(rows)::value>(a, kp, tile0, 4 * kTileBytes, chunks, dst);
 #endif
+  });
 }
 
 #ifdef JITNEY_AMX
