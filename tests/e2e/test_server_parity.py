@@ -20,6 +20,7 @@ from jitney.v1 import generation_pb2 as pb
 from jitney.client.client import Sampling, make_params
 from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 from bench.quant_accuracy import prompt_ids as parity_prompt_ids
+from tests.support.reference_model import default_model_reference
 from tests.support.server_harness import ROOT, running_server
 
 pytestmark = pytest.mark.slow
@@ -27,12 +28,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
 
 
-def reference_outputs(prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    files = resolve_model(None)
-    model = AutoModelForCausalLM.from_pretrained(str(files.directory), torch_dtype=torch.float32,
-                                                 **files.pretrained_kwargs())
+def reference_outputs(prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    model = default_model_reference(tmp_path_factory)
     outs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -49,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-def test_greedy_matches_transformers_under_chunking_and_preemption(server) -> None:
+def test_greedy_matches_transformers_under_chunking_and_preemption(server, tmp_path_factory: pytest.TempPathFactory) -> None:
     prompt_ids = parity_prompt_ids(load_tokenizer(resolve_model(None), cache_root()))
     stub = server.stub()
 
@@ -63,7 +60,7 @@ def test_greedy_matches_transformers_under_chunking_and_preemption(server) -> No
     stats = server.stats()
     assert stats.preemptions > 0, "the cache was meant to be too small: no preemption happened"
     assert stats.kv_blocks_used == 0
-    assert got == reference_outputs(prompt_ids)
+    assert got == reference_outputs(prompt_ids, tmp_path_factory)
 
 
 def test_generate_command_answers_the_capital_of_france(server) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.reference_model import default_model_reference
 from tests.support.tiny_models import make_tiny_llama, make_tiny_qwen2
 from jitney.worker.kernels.cpu.packed import PackedLinear, pack_linears, packing_supported
 from jitney.worker.attention.backend import AttentionMetadata
@@ -186,17 +187,13 @@ def test_eos_ids_are_the_configs_the_generation_configs_and_the_tokenizers(tmp_p
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[CausalLM, torch.nn.Module, list[int]]:
-    from transformers import AutoModelForCausalLM
-
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, torch.nn.Module, list[int]]:
     from jitney.common.model_files import cache_root, load_tokenizer, resolve_model
 
     files = resolve_model(None)
     net, facts = load_model(None, torch.float32, CPU)
     assert facts.eos_token_ids == (2,) and facts.vocab_size == 49152
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(files.directory), gguf_file=files.gguf_file, dtype=torch.float32
-    ).eval()
+    ref = default_model_reference(tmp_path_factory)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     ids = load_tokenizer(files, cache_root()).apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     return net, ref, list(ids)
