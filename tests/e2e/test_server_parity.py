@@ -46,7 +46,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-def test_greedy_matches_transformers_under_chunking_and_preemption(server, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_greedy_matches_transformers_under_chunking_and_preemption(server,
+                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     prompt_ids = parity_prompt_ids(load_tokenizer(resolve_model(None), cache_root()))
     stub = server.stub()
 

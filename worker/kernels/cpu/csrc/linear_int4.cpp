@@ -434,12 +434,12 @@ at::Tensor linear_int4_op(const at::Tensor& x, const at::Tensor& q4, const at::T
                       // The portable loops in AVX2 registers, from the nibbles.
                       const int64_t chunks = kp / kChunk;
                       portable_blocks(limbs, sx, m, kp, sw, b, out, n,
-                                           [&](auto rows, int64_t blk, int64_t t, const int8_t* a, int32_t* dst) {
-                                             const int64_t first = q4_tile(blk, t, 0, chunks);
-                                             limb_rows_q4_avx2<decltype(rows)::value>(
-                                                 a, kp, wq + first * kQ4TileBytes, wc + first * kQ4ScaleBytes,
-                                                 chunks, dst);
-                                           });
+                                      [&](auto rows, int64_t blk, int64_t t, const int8_t* a, int32_t* dst) {
+                                        const int64_t first = q4_tile(blk, t, 0, chunks);
+                                        limb_rows_q4_avx2<decltype(rows)::value>(
+                                            a, kp, wq + first * kQ4TileBytes, wc + first * kQ4ScaleBytes, chunks,
+                                            dst);
+                                      });
 #else
                       // The portable loops on the int8 bytes the int4 ones stand for: the same integers.
                       std::vector<int8_t> unpacked(padded(n, kCols) * kp);
