@@ -387,38 +387,133 @@ struct Bf16Block8 {
   }
 };
 
-// block_update<R, 16, D> in 8-lane registers: the same operations, in the same order,
-// on each lane (tested bit for bit against the scalar form). The keys' two halves are
-// scored one after the other (16 registers hold one half's partial sums for 3 rows).
+// The scores of R rows against a 16-token block, 8 lanes (keys) a register: scores[r][h]
+// holds keys [8h, 8h + 8) of row r, each the four partial sums of block_update (dims
+// i mod 4, from zero, in order) added (0 + 1) + (2 + 3). Up to 3 rows keep all four
+// partial sums of one half of the keys in registers (12); from 4 rows on, the four
+// sums are taken one after the other for both halves (2R registers), which reads each
+// key row once for all the rows and leaves enough independent chains to fill the FMA
+// units. Either way each sum's operations are the same.
 template <int64_t R, int64_t D, typename Block>
-inline void block_update8(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
-                          float* __restrict__ m, float* __restrict__ l, int64_t j0, int64_t n, float cap,
-                          const SpreadPrefetch& ahead = SpreadPrefetch{}) {
-  static_assert(D % 32 == 0 && R >= 1 && R <= 3, "8-lane form");
-  __m256 scores[R][2];
-  #pragma GCC unroll 2
-  for (int64_t h = 0; h < 2; ++h) {
-    __m256 part[R][4];
-    #pragma GCC unroll 16
-    for (int64_t r = 0; r < R; ++r)
+__attribute__((always_inline)) inline void block_scores8(const float* __restrict__ q, const Block& blk,
+                                                         __m256 (&scores)[R][2], const SpreadPrefetch& ahead) {
+  if constexpr (R <= 3) {
+    #pragma GCC unroll 2
+    for (int64_t h = 0; h < 2; ++h) {
+      __m256 part[R][4];
       #pragma GCC unroll 16
-      for (int k = 0; k < 4; ++k) part[r][k] = _mm256_setzero_ps();
-    #pragma GCC unroll 4
-    for (int64_t i = 0; i < D; i += 4) {
-      if (h == 0) ahead.k_part(i / 4, D / 4);
-      #pragma GCC unroll 16
-      for (int k = 0; k < 4; ++k) {
-        __m256 krow = blk.k(i + k, h);
-        asm("" : "+x"(krow));  // one load for the R rows
+      for (int64_t r = 0; r < R; ++r)
         #pragma GCC unroll 16
-        for (int64_t r = 0; r < R; ++r)
-          part[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * D + i + k]), krow, part[r][k]);
+        for (int k = 0; k < 4; ++k) part[r][k] = _mm256_setzero_ps();
+      #pragma GCC unroll 4
+      for (int64_t i = 0; i < D; i += 4) {
+        if (h == 0) ahead.k_part(i / 4, D / 4);
+        #pragma GCC unroll 16
+        for (int k = 0; k < 4; ++k) {
+          __m256 krow = blk.k(i + k, h);
+          asm("" : "+x"(krow));  // one load for the R rows
+          #pragma GCC unroll 16
+          for (int64_t r = 0; r < R; ++r)
+            part[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * D + i + k]), krow, part[r][k]);
+        }
+      }
+      #pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r)
+        scores[r][h] = _mm256_add_ps(_mm256_add_ps(part[r][0], part[r][1]), _mm256_add_ps(part[r][2], part[r][3]));
+    }
+  } else {
+    static_assert(R <= 6, "2R accumulators, two key rows and a query broadcast in 16 registers");
+    alignas(32) float part[4][R][16];
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      __m256 a[R][2];
+      #pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+      #pragma GCC unroll 16
+      for (int64_t i = k; i < D; i += 4) {
+        __m256 k0 = blk.k(i, 0), k1 = blk.k(i, 1);
+        asm("" : "+x"(k0), "+x"(k1));  // one load each for the R rows
+        #pragma GCC unroll 16
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_broadcast_ss(q + r * D + i);
+          a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+          a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+        }
+      }
+      #pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r) {
+        _mm256_store_ps(part[k][r], a[r][0]);
+        _mm256_store_ps(part[k][r] + 8, a[r][1]);
       }
     }
     #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r)
-      scores[r][h] = _mm256_add_ps(_mm256_add_ps(part[r][0], part[r][1]), _mm256_add_ps(part[r][2], part[r][3]));
+      #pragma GCC unroll 2
+      for (int64_t h = 0; h < 2; ++h)
+        scores[r][h] = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part[0][r] + 8 * h), _mm256_load_ps(part[1][r] + 8 * h)),
+                                     _mm256_add_ps(_mm256_load_ps(part[2][r] + 8 * h), _mm256_load_ps(part[3][r] + 8 * h)));
   }
+}
+
+// acc = acc * correction + sum over j in [j0, n), in order, of w[j] v[j], for R rows. Up
+// to 3 rows take 32 columns a pass; from 4 rows on, all the rows take 16 columns a pass
+// (2R accumulators, each value row loaded once for them all). Each column's
+// operations are the same either way.
+template <int64_t R, int64_t D, typename Block>
+__attribute__((always_inline)) inline void block_values8(const Block& blk, const float (&w)[R][16],
+                                                         const float* correction, float* __restrict__ acc, int64_t j0,
+                                                         int64_t n, const SpreadPrefetch& ahead) {
+  constexpr int64_t kCols = R <= 3 ? 32 : 16, kVec = kCols / 8;
+  #pragma GCC unroll 16
+  for (int64_t c = 0; c < D; c += kCols) {
+    __m256 a[R][kVec];
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v)
+        a[r][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c + 8 * v), _mm256_set1_ps(correction[r]));
+    if constexpr (R <= 3)
+      for (int64_t j = 0; j < j0; ++j) ahead.v_part(c / kCols * 16 + j, D / kCols * 16);
+    for (int64_t j = j0; j < n; ++j) {
+      if constexpr (R <= 3) {
+        ahead.v_part(c / kCols * 16 + j, D / kCols * 16);
+        #pragma GCC unroll 16
+        for (int64_t v = 0; v < kVec; ++v) {
+          const __m256 vj = blk.v(j, c + 8 * v);
+          #pragma GCC unroll 16
+          for (int64_t r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vj, a[r][v]);
+        }
+      } else {
+        __m256 v0 = blk.v(j, c), v1 = blk.v(j, c + 8);
+        asm("" : "+x"(v0), "+x"(v1));  // one load each for the R rows
+        #pragma GCC unroll 16
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256 wj = _mm256_broadcast_ss(&w[r][j]);
+          a[r][0] = _mm256_fmadd_ps(wj, v0, a[r][0]);
+          a[r][1] = _mm256_fmadd_ps(wj, v1, a[r][1]);
+        }
+      }
+    }
+    if constexpr (R <= 3)
+      for (int64_t j = n; j < 16; ++j) ahead.v_part(c / kCols * 16 + j, D / kCols * 16);
+    #pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r)
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kVec; ++v) _mm256_storeu_ps(acc + r * D + c + 8 * v, a[r][v]);
+  }
+}
+
+// block_update<R, 16, D> in 8-lane registers: the same operations, in the same order,
+// on each lane (tested bit for bit against the scalar form). The rows' corrections
+// e^(m - m') are taken together, a row a lane (exp_nonpositive8 is exp_nonpositive
+// on each lane).
+template <int64_t R, int64_t D, typename Block>
+inline void block_update8(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
+                          float* __restrict__ m, float* __restrict__ l, int64_t j0, int64_t n, float cap,
+                          const SpreadPrefetch& ahead) {
+  static_assert(D % 32 == 0 && R >= 1 && R <= 6, "8-lane form");
+  __m256 scores[R][2];
+  block_scores8<R, D>(q, blk, scores, ahead);
   if (cap > 0.0f) {
     #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r)
@@ -434,59 +529,56 @@ inline void block_update8(const float* __restrict__ q, const Block& blk, float* 
                             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), key)));
   }
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(32) float w[R][16];
-  float correction[R];
+  alignas(32) float m_old[8] = {}, m_new[8] = {}, correction[8];
   #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
     // std::max(a, b) is (a < b ? b : a), which is MAXPS(b, a), NaN and signed zeros included.
     const float peak = tree_reduce16(_mm256_blendv_ps(ninf, scores[r][0], valid[0]),
                                      _mm256_blendv_ps(ninf, scores[r][1], valid[1]),
                                      [](__m256 a, __m256 b) { return _mm256_max_ps(b, a); });
-    const float m_new = std::max(m[r], peak);
-    correction[r] = exp_nonpositive(m[r] - m_new);
-    const __m256 mn = _mm256_set1_ps(m_new);
+    m_old[r] = m[r];
+    m_new[r] = std::max(m[r], peak);
+    m[r] = m_new[r];
+  }
+  _mm256_store_ps(correction, exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(m_old), _mm256_load_ps(m_new))));
+  alignas(32) float w[R][16];
+  #pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    const __m256 mn = _mm256_set1_ps(m_new[r]);
     const __m256 w0 = _mm256_and_ps(valid[0], exp_nonpositive8(_mm256_sub_ps(scores[r][0], mn)));
     const __m256 w1 = _mm256_and_ps(valid[1], exp_nonpositive8(_mm256_sub_ps(scores[r][1], mn)));
     _mm256_store_ps(w[r], w0);
     _mm256_store_ps(w[r] + 8, w1);
     l[r] = fmaf(l[r], correction[r], tree_reduce16(w0, w1, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }));
-    m[r] = m_new;
   }
-  #pragma GCC unroll 16
-  for (int64_t c = 0; c < D; c += 32) {  // 32 columns at a time, each column's order unchanged
-    constexpr int64_t kVec = 4;
-    __m256 a[R][kVec];
-    #pragma GCC unroll 16
-    for (int64_t r = 0; r < R; ++r)
-      #pragma GCC unroll 16
-      for (int64_t v = 0; v < kVec; ++v)
-        a[r][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c + 8 * v), _mm256_set1_ps(correction[r]));
-    for (int64_t j = 0; j < j0; ++j) ahead.v_part(c / 32 * 16 + j, D / 2);
-    for (int64_t j = j0; j < n; ++j) {
-      ahead.v_part(c / 32 * 16 + j, D / 2);
-      #pragma GCC unroll 16
-      for (int64_t v = 0; v < kVec; ++v) {
-        const __m256 vj = blk.v(j, c + 8 * v);
-        #pragma GCC unroll 16
-        for (int64_t r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vj, a[r][v]);
-      }
-    }
-    for (int64_t j = n; j < 16; ++j) ahead.v_part(c / 32 * 16 + j, D / 2);
-    #pragma GCC unroll 16
-    for (int64_t r = 0; r < R; ++r)
-      #pragma GCC unroll 16
-      for (int64_t v = 0; v < kVec; ++v) _mm256_storeu_ps(acc + r * D + c + 8 * v, a[r][v]);
-  }
+  block_values8<R, D>(blk, w, correction, acc, j0, n, ahead);
 }
 
+// ``rows`` consecutive query rows that see the keys [j0, n) of the block, up to 6 a call
+// (7 to 9 as two calls of 4 or 5 and 3 or 4: fewer than 4 rows leave the FMA units idle).
+// Where one call of up to 3 rows takes them all (a decode), it asks for the later block's
+// lines among its own work, as block_update16 does; otherwise a share is asked for before
+// each call, and the calls' inner loops carry no prefetch (its checks there cost more
+// than spreading the requests that finely gains).
 template <int64_t D, typename Block>
 void block_update_rows8(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t j0,
                         int64_t n, float cap, const SpreadPrefetch& ahead) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 3) {
+  const bool spread = rows <= 3;
+  const int64_t calls = rows <= 6 ? 1 : rows < 10 ? 2 : (rows + 5) / 6;
+  for (int64_t r0 = 0, call = 0, take; r0 < rows; r0 += take, ++call) {
+    const int64_t left = rows - r0;
+    take = left <= 6 ? left : left < 10 ? (left + 1) / 2 : 6;
+    if (!spread) {
+      ahead.k_part(call, calls);
+      ahead.v_part(call, calls);
+    }
+    const SpreadPrefetch& pf = spread ? ahead : SpreadPrefetch{};
     const float* qr = q + r0 * D;
     float* ar = acc + r0 * D;
-    const SpreadPrefetch& pf = r0 == 0 ? ahead : SpreadPrefetch{};
-    switch (std::min<int64_t>(3, rows - r0)) {
+    switch (take) {
+      case 6: block_update8<6, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 5: block_update8<5, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
+      case 4: block_update8<4, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
       case 3: block_update8<3, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
       case 2: block_update8<2, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
       default: block_update8<1, D>(qr, blk, ar, m + r0, l + r0, j0, n, cap, pf); break;
