@@ -503,10 +503,8 @@ __attribute__((always_inline)) inline void block_values8(const Block& blk, const
   }
 }
 
-// block_update<R, 16, D> in 8-lane registers: the same operations, in the same order,
-// on each lane (tested bit for bit against the scalar form). The rows' corrections
-// e^(m - m') are taken together, a row a lane (exp_nonpositive8 is exp_nonpositive
-// on each lane).
+// block_update<R, 16, D> in 8-lane registers: the same operations, in the same order, on each
+// lane (tested bit for bit against the scalar form); the corrections e^(m - m') a row a lane.
 template <int64_t R, int64_t D, typename Block>
 inline void block_update8(const float* __restrict__ q, const Block& blk, float* __restrict__ acc,
                           float* __restrict__ m, float* __restrict__ l, int64_t j0, int64_t n, float cap,
@@ -554,12 +552,9 @@ inline void block_update8(const float* __restrict__ q, const Block& blk, float* 
   block_values8<R, D>(blk, w, correction, acc, j0, n, ahead);
 }
 
-// ``rows`` consecutive query rows that see the keys [j0, n) of the block, up to 6 a call
-// (7 to 9 as two calls of 4 or 5 and 3 or 4: fewer than 4 rows leave the FMA units idle).
-// Where one call of up to 3 rows takes them all (a decode), it asks for the later block's
-// lines among its own work, as block_update16 does; otherwise a share is asked for before
-// each call, and the calls' inner loops carry no prefetch (its checks there cost more
-// than spreading the requests that finely gains).
+// ``rows`` rows that see the keys [j0, n) of the block, up to 6 a call (7-9 as two: fewer than
+// 4 leave the FMA units idle). Up to 3 rows (a decode) ask for the later block among their
+// work; more ask for a share before each call (checks in the inner loops cost more).
 template <int64_t D, typename Block>
 void block_update_rows8(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t j0,
                         int64_t n, float cap, const SpreadPrefetch& ahead) {
