@@ -455,10 +455,8 @@ __attribute__((always_inline)) inline void block_scores8(const float* __restrict
   }
 }
 
-// acc = acc * correction + sum over j in [j0, n), in order, of w[j] v[j], for R rows. Up
-// to 3 rows take 32 columns a pass; from 4 rows on, all the rows take 16 columns a pass
-// (2R accumulators, each value row loaded once for them all). Each column's
-// operations are the same either way.
+// acc = acc * correction + sum over j in [j0, n), in order, of w[j] v[j], for R rows: 32
+// columns a pass up to 3 rows, else 16 (2R accumulators, a value row loaded once for all).
 template <int64_t R, int64_t D, typename Block>
 __attribute__((always_inline)) inline void block_values8(const Block& blk, const float (&w)[R][16],
                                                          const float* correction, float* __restrict__ acc, int64_t j0,
