@@ -149,19 +149,20 @@ struct SpreadPrefetch {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t lines = 0;
-  // Part `part` of `parts` of K's lines, or of V's.
-  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const { ask(k, part, parts); }
-  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const { ask(v, part, parts); }
+  // Part `part` of `parts` of K's lines, or of V's; or parts [first, past) of them.
+  __attribute__((always_inline)) void k_part(int64_t part, int64_t parts) const { ask(k, part, part + 1, parts); }
+  __attribute__((always_inline)) void v_part(int64_t part, int64_t parts) const { ask(v, part, part + 1, parts); }
+  void k_parts(int64_t first, int64_t past, int64_t parts) const { ask(k, first, past, parts); }
+  void v_parts(int64_t first, int64_t past, int64_t parts) const { ask(v, first, past, parts); }
 
  private:
-  __attribute__((always_inline)) void ask(const char* run, int64_t part, int64_t parts) const {
+  __attribute__((always_inline)) void ask(const char* run, int64_t first, int64_t past, int64_t parts) const {
     if (!run) return;
 #if defined(__x86_64__)
-    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+    for (int64_t line = first * lines / parts; line < past * lines / parts; ++line)
       _mm_prefetch(run + line * 64, _MM_HINT_T1);
 #else
-    (void)part;
-    (void)parts;
+    (void)first, (void)past, (void)parts;
 #endif
   }
 };
@@ -557,13 +558,12 @@ template <int64_t D, typename Block>
 void block_update_rows8(int64_t rows, const float* q, const Block& blk, float* acc, float* m, float* l, int64_t j0,
                         int64_t n, float cap, const SpreadPrefetch& ahead) {
   const bool spread = rows <= 3;
-  const int64_t calls = rows <= 6 ? 1 : rows < 10 ? 2 : (rows + 5) / 6;
-  for (int64_t r0 = 0, call = 0, take; r0 < rows; r0 += take, ++call) {
+  for (int64_t r0 = 0, take; r0 < rows; r0 += take) {
     const int64_t left = rows - r0;
     take = left <= 6 ? left : left < 10 ? (left + 1) / 2 : 6;
-    if (!spread) {
-      ahead.k_part(call, calls);
-      ahead.v_part(call, calls);
+    if (!spread) {  // these rows' share of the lines
+      ahead.k_parts(r0, r0 + take, rows);
+      ahead.v_parts(r0, r0 + take, rows);
     }
     const SpreadPrefetch& pf = spread ? ahead : SpreadPrefetch{};
     const float* qr = q + r0 * D;
