@@ -331,9 +331,16 @@ def publish_entry(entry: Path, fill: Callable[[Path], object]) -> None:
 
 
 def keep_newest(entries: list[Path], keep: int) -> None:
-    """Remove all but the ``keep`` most recently used (modified) of ``entries``."""
-    entries = sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in entries[keep:]:
+    """Remove all but the ``keep`` most recently used (modified) of ``entries``.
+    One that another process removed meanwhile is passed over."""
+    used: list[tuple[float, Path]] = []
+    for entry in entries:
+        try:
+            used.append((entry.stat().st_mtime, entry))
+        except FileNotFoundError:
+            continue
+    used.sort(key=lambda item: item[0], reverse=True)
+    for _, old in used[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 

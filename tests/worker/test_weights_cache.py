@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jitney.common.model_files import load_tokenizer, resolve_model
+from jitney.common.model_files import ModelFiles, load_tokenizer, resolve_model
 from jitney.worker.loading import loader
 from jitney.worker.loading import weights_cache
 from jitney.worker.loading.loader import load_model
 from jitney.worker.models.config import ModelConfig, ModelFacts
-from jitney.worker.loading.weights_cache import KEEP_ENTRIES, META_FILE, WEIGHTS_FILE, WeightsCache, entry_key
+from jitney.worker.loading.weights_cache import KEEP_ENTRIES, KEEP_META_ENTRIES, META_FILE, WEIGHTS_FILE, WeightsCache, entry_key
 from tests.support.tiny_models import make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -112,6 +112,36 @@ def test_round_trip_and_eviction_keep_the_newest_entries(tmp_path: Path) -> None
     assert torch.equal(load_file(str(got.weights))["w"], state["w"])
     assert cache.read(written[0], torch.bfloat16) is None   # evicted
     assert len([p for p in cache.root.iterdir() if p.is_dir()]) == KEEP_ENTRIES
+
+
+def test_config_only_entries_are_evicted_apart_from_converted_ones(tmp_path: Path) -> None:
+    # A test run (or a user) that starts many small safetensors models writes an entry for
+    # each; they must not push out the GGUF model's converted tensors, which cost seconds.
+    cache = WeightsCache(tmp_path / "cache")
+    config = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4)
+    facts = ModelFacts("m", 8, 32, (2,))
+    state = {"w": torch.ones(2, 3, dtype=torch.bfloat16)}
+
+    def model(name: str) -> ModelFiles:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "m.gguf").write_bytes(name.encode())
+        return resolve_model(str(folder / "m.gguf"))
+
+    converted = model("converted")
+    assert cache.write(converted, torch.bfloat16, config, facts, state) is not None
+    small = []
+    for i in range(KEEP_META_ENTRIES + 1):
+        small.append(model(f"small{i}"))
+        assert cache.write(small[-1], torch.bfloat16, config, facts, None) is not None
+        stamp = time.time() + i   # distinct modification times, without sleeping
+        os.utime(cache.root / entry_key(small[-1], torch.bfloat16), (stamp, stamp))
+    kept = cache.read(converted, torch.bfloat16)
+    assert kept is not None and kept.weights is not None          # older than them all, still kept
+    assert cache.read(small[0], torch.bfloat16) is None           # the oldest config-only one: evicted
+    assert cache.read(small[-1], torch.bfloat16) is not None
+    assert len([p for p in cache.root.iterdir() if p.is_dir()]) == KEEP_META_ENTRIES + 1
 
 
 def test_the_conversion_code_is_part_of_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

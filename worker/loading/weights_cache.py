@@ -21,7 +21,10 @@ writes a new entry; nothing is trusted that might be stale. An entry is
 written into a private temporary folder and renamed into place, so a reader
 never sees half of one and two workers writing at once leave one whole
 entry. An entry that cannot be read is removed and the model is loaded from
-its source (logged). The newest ``KEEP_ENTRIES`` entries are kept.
+its source (logged). The newest ``KEEP_ENTRIES`` entries that hold converted
+tensors are kept, and, counted apart, the newest ``KEEP_META_ENTRIES`` that
+hold only a config (a few KB each): small models' entries must not evict the
+one whose conversion costs seconds.
 
 The root is ``--weights-cache DIR``, else ``$JITNEY_WEIGHTS_CACHE``, else
 ``~/.cache/jitney/weights``; ``--no-weights-cache`` turns the cache off.
@@ -49,7 +52,8 @@ from jitney.worker.models.config import ModelConfig, ModelFacts
 logger = logging.getLogger("jitney.worker")
 
 CACHE_FORMAT = 1
-KEEP_ENTRIES = 4
+KEEP_ENTRIES = 4          # with tensors: a model's size of disk each
+KEEP_META_ENTRIES = 64    # config and facts only
 META_FILE = "meta.json"
 WEIGHTS_FILE = "model.safetensors"
 # The code that turns a model's files into an entry: an edit to it misses.
@@ -145,8 +149,9 @@ class WeightsCache:
             logger.warning("could not write the weights cache at %s (%s); later starts will "
                            "convert the model again", self.root, err)
             return None
-        keep_newest([p for p in self.root.iterdir() if p.is_dir() and (p / META_FILE).is_file()],
-                    KEEP_ENTRIES)
+        entries = [p for p in self.root.iterdir() if p.is_dir() and (p / META_FILE).is_file()]
+        keep_newest([p for p in entries if (p / WEIGHTS_FILE).is_file()], KEEP_ENTRIES)
+        keep_newest([p for p in entries if not (p / WEIGHTS_FILE).is_file()], KEEP_META_ENTRIES)
         return folder
 
 
