@@ -443,6 +443,22 @@ def test_silu_mul_matches_torch_and_is_row_invariant(dtype: torch.dtype, width: 
     assert_rows_invariant(cpu_kernels.silu_mul, gate_up)
 
 
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_mul"])
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 1536])
+def test_gated_ops_register_form_gives_the_scalar_loops_bits(op: str, width: int) -> None:
+    """float32 silu_mul / gelu_mul in AVX2 registers (where the CPU has them): the scalar
+    loops' bits (``portable=True``), every element wherever it sits, the edges included."""
+    gen = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(37, 2 * width, generator=gen) * torch.tensor([0.1, 3.0, 40.0]).repeat(13)[:37, None]
+    edges = [0.0, -0.0, 1e-30, -1e-30, 1e-42, -88.0, 88.0, 1e20, -1e20, float("inf"), float("-inf"), float("nan")]
+    flat = gate_up[:, :width].reshape(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[:len(edges)]] = torch.tensor(edges)[:flat.numel()]
+    gate_up[:, :width] = flat.view(37, width)
+    fn = getattr(torch.ops.jitney_cpu, op)
+    got, want = fn(gate_up), fn(gate_up, True)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [144, 6912])
 def test_gelu_mul_matches_torch_and_is_row_invariant(dtype: torch.dtype, width: int) -> None:

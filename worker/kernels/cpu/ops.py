@@ -21,7 +21,8 @@ The operations, registered as ``torch.ops.jitney_cpu``:
   arithmetic, so chunking, preemption and prefix-cache hits keep the bits.
 - ``silu_mul``: torch's float32 SiLU rounds a vector's tail differently
   from its body, so a row's bits could depend on where it falls; this runs
-  the same operations on every element.
+  the same operations on every element (float32 in AVX2 registers where the
+  CPU has them, the scalar loops' bits; ``portable=True`` runs those loops).
 - ``linear_silu_mul``: ``silu_mul(linear(x))`` of a gate_up layer, the same
   bits, in one pass on the AVX-512 BF16 kernel (the layer stack calls it).
 - ``linear_int8`` (``csrc/linear_int8.cpp``, ``--quantization int8``): int8

@@ -33,8 +33,8 @@ TORCH_LIBRARY(jitney_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_op);
   m.def("rope_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> Tensor", &rope_and_cache_op);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul_op);
-  m.def("gelu_mul(Tensor gate_up) -> Tensor", &gelu_mul_op);
+  m.def("silu_mul(Tensor gate_up, bool portable=False) -> Tensor", &silu_mul_op);
+  m.def("gelu_mul(Tensor gate_up, bool portable=False) -> Tensor", &gelu_mul_op);
   // softmax_stats.cpp
   m.def("row_softmax_stats(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)", &row_softmax_stats_op);
   m.def("mask_logits_(Tensor(a!) logits, Tensor words) -> ()", &mask_logits_op);

@@ -42,8 +42,8 @@ void add_rms_norm_op(at::Tensor& x, at::Tensor& residual, const at::Tensor& weig
 at::Tensor rope_and_cache_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim);
-at::Tensor silu_mul_op(const at::Tensor& gate_up);
-at::Tensor gelu_mul_op(const at::Tensor& gate_up);
+at::Tensor silu_mul_op(const at::Tensor& gate_up, bool portable = false);   // portable: the scalar loops
+at::Tensor gelu_mul_op(const at::Tensor& gate_up, bool portable = false);
 
 // softmax_stats.cpp: the sampler's per-row statistics
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats_op(const at::Tensor& x, bool portable);

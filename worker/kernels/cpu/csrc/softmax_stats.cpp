@@ -12,7 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -30,6 +30,8 @@ namespace {
 using jitney_cpu::exp_nonpositive;  // exp.h
 #if defined(__AVX512F__)
 using jitney_cpu::exp_nonpositive16;
+#elif defined(__AVX2__) && defined(__FMA__)
+using jitney_cpu::exp_nonpositive8;
 #endif
 
 // Of one row x (V floats): the index of its first maximum (a NaN counts as the
@@ -37,7 +39,8 @@ using jitney_cpu::exp_nonpositive16;
 // log(sum_j exp(x_j - max)). The sum's order is fixed by V alone: element j
 // goes into partial sum j % 64, then the 64 partials are halved pairwise
 // (i += i + 32, 16, 8, 4, 2, 1). The AVX-512 form keeps the partials in four
-// registers and runs the same IEEE operations, so both give the same bits.
+// registers, the AVX2 form in eight; both run the same IEEE operations as the
+// scalar loops, so all three give the same bits.
 // A row whose maximum is not finite gets NaN.
 constexpr int64_t kStatPartials = 64;
 
@@ -116,6 +119,62 @@ void row_stats_avx512(const float* x, int64_t v, int64_t& arg, float& mx, float&
   for (int r = 0; r < 4; ++r) _mm512_store_ps(acc + 16 * r, a[r]);
   log_total = log_of_partials(acc);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// row_stats_avx512 in AVX2's 8 lanes: partial sum j % 64 sits in register
+// j / 8 % 8, lane j % 8; the same IEEE operations as the scalar loops.
+void row_stats_avx2(const float* x, int64_t v, int64_t& arg, float& mx, float& log_total) {
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= v; j += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + j);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+    m8 = _mm256_max_ps(m8, xv);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = *std::max_element(lanes, lanes + 8);
+  bool nan = _mm256_movemask_ps(nan8) != 0;
+  for (int64_t t = j; t < v; ++t) {
+    if (std::isnan(x[t])) nan = true;
+    m = std::max(m, x[t]);
+  }
+  if (nan) {   // rare: the scalar rule finds the first NaN
+    row_stats_scalar(x, v, arg, mx, log_total);
+    return;
+  }
+  int64_t best = -1;
+  const __m256 eq_to = _mm256_set1_ps(m);
+  for (j = 0; j + 8 <= v && best < 0; j += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), eq_to, _CMP_EQ_OQ));
+    if (eq) best = j + __builtin_ctz(static_cast<unsigned>(eq));
+  }
+  for (int64_t t = j; t < v && best < 0; ++t)
+    if (x[t] == m) best = t;
+  arg = best;
+  mx = x[best];
+  if (!std::isfinite(m)) {
+    log_total = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const __m256 mv = _mm256_set1_ps(mx);   // the scalar loops subtract x[best]
+  __m256 a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+  for (j = 0; j + kStatPartials <= v; j += kStatPartials)
+    for (int r = 0; r < 8; ++r)
+      a[r] = _mm256_add_ps(a[r], exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8 * r), mv)));
+  // The tail: a missing element's lane adds +0, which leaves its partial (>= +0) as it was.
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int r = 0; r < 8 && j + 8 * r < v; ++r) {
+    const int64_t n = std::min<int64_t>(8, v - j - 8 * r);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane);
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_maskload_ps(x + j + 8 * r, live), mv));
+    a[r] = _mm256_add_ps(a[r], _mm256_and_ps(e, _mm256_castsi256_ps(live)));
+  }
+  alignas(32) float acc[kStatPartials];
+  for (int r = 0; r < 8; ++r) _mm256_store_ps(acc + 8 * r, a[r]);
+  log_total = log_of_partials(acc);
+}
 #endif
 
 }  // namespace
@@ -141,6 +200,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_softmax_stats_op(const at::Te
 #if defined(__AVX512F__)
       if (!portable) {
         row_stats_avx512(xp + r * v, v, ap[r], mp[r], lp[r]);
+        continue;
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (!portable) {
+        row_stats_avx2(xp + r * v, v, ap[r], mp[r], lp[r]);
         continue;
       }
 #endif
