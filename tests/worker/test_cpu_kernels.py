@@ -126,14 +126,16 @@ def test_bf16_linear_outputs_round_like_torch() -> None:
     assert (rounded[5].view(torch.int16) == 0x7FC0).all()   # convert.h's one quiet NaN, whatever the sign
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("columns", [3000, 960, 576])
-def test_linear_bits_do_not_depend_on_threads(columns: int) -> None:
+def test_linear_bits_do_not_depend_on_threads(columns: int, dtype: torch.dtype) -> None:
     """The threads split the columns, and where a layer's 64-column units do not
-    split evenly between them (47, 15 and 9 units here), the units' rows too:
-    which thread computes an output, in which block of rows, changes no bit."""
+    split evenly between them (47, 15 and 9 units here), the units' rows too
+    (float32: its blocks of 32 rows): which thread computes an output, in which
+    block of rows, changes no bit."""
     gen = torch.Generator().manual_seed(columns)
-    weight = torch.randn(columns, 576, generator=gen).bfloat16()
-    x = torch.randn(70, 576, generator=gen).bfloat16()
+    weight = torch.randn(columns, 576, generator=gen).to(dtype)
+    x = torch.randn(70, 576, generator=gen).to(dtype)
     layer = cpu_kernels.InvariantLinear(weight, None)
     with torch_threads(1):
         one = layer(x)

@@ -72,24 +72,28 @@ at::Tensor pack_brgemm_weight(const at::Tensor& weight) {
   return wt.view({k, blocks, kColBlock}).permute({1, 0, 2}).contiguous().view({blocks, k * kColBlock});
 }
 
+// The threads split (column block, row block) units, a column block's row
+// blocks in a row: a layer of 9 column blocks (576 outputs) no longer leaves
+// one thread 5 and the other 4 where there are rows for two blocks. The row
+// blocks start at multiples of kRowBlock whatever the split, so no bit moves.
 void linear_brgemm(const float* x, const float* packed, const float* bias, float* y, int64_t m, int64_t n,
                    int64_t k) {
   const int64_t blocks = (n + kColBlock - 1) / kColBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks * row_blocks, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> acc(kRowBlock * kColBlock);
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / row_blocks, r0 = u % row_blocks * kRowBlock;
       const float* w = packed + b * k * kColBlock;
       const int64_t col0 = b * kColBlock;
       const int64_t cols = std::min(kColBlock, n - col0);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-        const int64_t rows = std::min(kRowBlock, m - r0);
-        at::native::cpublas::brgemm(rows, kColBlock, k, k, kColBlock, kColBlock, false, x + r0 * k, w,
-                                    acc.data(), false);
-        for (int64_t i = 0; i < rows; ++i) {
-          const float* a = acc.data() + i * kColBlock;
-          float* dst = y + (r0 + i) * n + col0;
-          for (int64_t j = 0; j < cols; ++j) dst[j] = bias ? a[j] + bias[col0 + j] : a[j];
-        }
+      const int64_t rows = std::min(kRowBlock, m - r0);
+      at::native::cpublas::brgemm(rows, kColBlock, k, k, kColBlock, kColBlock, false, x + r0 * k, w,
+                                  acc.data(), false);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* a = acc.data() + i * kColBlock;
+        float* dst = y + (r0 + i) * n + col0;
+        for (int64_t j = 0; j < cols; ++j) dst[j] = bias ? a[j] + bias[col0 + j] : a[j];
       }
     }
   });
