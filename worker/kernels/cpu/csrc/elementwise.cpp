@@ -184,13 +184,9 @@ void rope_and_cache_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T
   });
 }
 
-// gate_up (T, 2I) -> (T, I): silu(gate) rounded to the dtype, times up, as
-// the reference models round. torch's own float32 silu rounds a vector's
-// tail differently from its body; here every element runs the same IEEE
-// operations, wherever it sits.
-// float32 in AVX2's 8 lanes (GCC leaves the scalar loop unvectorised: its
-// selects are control flow): the same IEEE operations; returns how many of
-// `width` elements it did.
+// silu_mul_rows' and gelu_mul_rows' float32 elements in AVX2's 8 lanes (GCC
+// leaves their scalar loops unvectorised: the selects are control flow): the
+// same IEEE operations; each returns how many of `width` elements it did.
 #if defined(__AVX2__) && defined(__FMA__)
 int64_t silu_mul_avx2(const float* gate, const float* up, float* dst, int64_t width) {
   const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
@@ -224,24 +220,10 @@ int64_t gelu_mul_avx2(const float* gate, const float* up, float* dst, int64_t wi
 }
 #endif
 
-// The elements a register form did of a row (none when `portable`, or for bf16).
-template <typename scalar_t, typename Form>
-int64_t vector_part(Form form, const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t width,
-                    bool portable) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (!portable && form != nullptr) return form(gate, up, dst, width);
-  }
-  return 0;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr auto kSiluForm = &silu_mul_avx2;
-constexpr auto kGeluForm = &gelu_mul_avx2;
-#else
-constexpr int64_t (*kSiluForm)(const float*, const float*, float*, int64_t) = nullptr;
-constexpr int64_t (*kGeluForm)(const float*, const float*, float*, int64_t) = nullptr;
-#endif
-
+// gate_up (T, 2I) -> (T, I): silu(gate) rounded to the dtype, times up, as
+// the reference models round. torch's own float32 silu rounds a vector's
+// tail differently from its body; here every element runs the same IEEE
+// operations, wherever it sits.
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t width, bool portable) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
@@ -249,7 +231,13 @@ void silu_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t widt
       const scalar_t* gate = in + r * 2 * width;
       const scalar_t* up = gate + width;
       scalar_t* dst = out + r * width;
-      for (int64_t i = vector_part(kSiluForm, gate, up, dst, width, portable); i < width; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (!portable) i = silu_mul_avx2(gate, up, dst, width);
+      }
+#endif
+      for (; i < width; ++i) {
         const float g = to_float(gate[i]);
         // e = exp(-|g|) <= 1: silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below.
         const float e = jitney_cpu::exp_nonpositive(g >= 0.0f ? -g : g);
@@ -276,7 +264,13 @@ void gelu_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t widt
       const scalar_t* gate = in + r * 2 * width;
       const scalar_t* up = gate + width;
       scalar_t* dst = out + r * width;
-      for (int64_t i = vector_part(kGeluForm, gate, up, dst, width, portable); i < width; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (!portable) i = gelu_mul_avx2(gate, up, dst, width);
+      }
+#endif
+      for (; i < width; ++i) {
         const float g = to_float(gate[i]);
         const float z = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
         const float e = jitney_cpu::exp_nonpositive(-2.0f * std::fabs(z));
