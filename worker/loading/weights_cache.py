@@ -149,9 +149,13 @@ class WeightsCache:
             logger.warning("could not write the weights cache at %s (%s); later starts will "
                            "convert the model again", self.root, err)
             return None
-        entries = [p for p in self.root.iterdir() if p.is_dir() and (p / META_FILE).is_file()]
-        keep_newest([p for p in entries if (p / WEIGHTS_FILE).is_file()], KEEP_ENTRIES)
-        keep_newest([p for p in entries if not (p / WEIGHTS_FILE).is_file()], KEEP_META_ENTRIES)
+        with_tensors: list[Path] = []
+        config_only: list[Path] = []
+        for entry in self.root.iterdir():
+            if entry.is_dir() and (entry / META_FILE).is_file():
+                (with_tensors if (entry / WEIGHTS_FILE).is_file() else config_only).append(entry)
+        keep_newest(with_tensors, KEEP_ENTRIES)
+        keep_newest(config_only, KEEP_META_ENTRIES)
         return folder
 
 
